@@ -1,0 +1,1 @@
+"""Prefect flows: one remediation flow run per incident."""

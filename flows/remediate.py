@@ -1,0 +1,193 @@
+"""The remediation flow: one run per incident.
+
+triage → diagnose (DCGM ladder, re-deciding after each level) → decide → act → resume job →
+verify/reintegrate → notify → close. Every stage writes to the store; the run is tagged with
+node, job, owner, classification and action, and carries a markdown audit artifact, so the
+Prefect UI's run history reads as an audit on its own.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.client.orchestration import get_client
+from prefect.runtime import flow_run
+from prefect.states import State
+from pydantic import BaseModel
+
+from integrations.protocols import Message
+from medic.audit import incident_markdown
+from medic.policy import Action, Decision
+from medic.policy.model import DESTRUCTIVE
+from tasks.act import ActOutcome, act
+from tasks.close import close
+from tasks.decide import decide_incident
+from tasks.diagnose import diagnose
+from tasks.notify import notify
+from tasks.resume import ResumeOutcome, resume_job
+from tasks.runtime import current
+from tasks.triage import Triage, triage
+from tasks.verify import VerifyOutcome, verify
+
+MAX_LADDER_STEPS = 4
+
+
+class Outcome(BaseModel):
+    incident: str
+    node: str
+    classification: str
+    action: str
+    rule: str
+    reason: str
+    act: str
+    resumed: ResumeOutcome | None = None
+    verified: VerifyOutcome | None = None
+    diagnostics: list[str] = []
+    notified: bool = False
+    summary: str
+
+
+def _run_name() -> str:
+    params = flow_run.parameters
+    return f"{params['incident_id']}-{params['node']}"
+
+
+async def _tag_run(triaged: Triage, decision: Decision) -> None:
+    run_id = flow_run.id
+    if run_id is None:
+        return
+    tags = {
+        "medic",
+        f"node:{triaged.node}",
+        f"classification:{decision.classification.value}",
+        f"action:{decision.action.value}",
+        f"rule:{decision.rule}",
+        *(f"job:{j}" for j in triaged.jobs),
+    }
+    if triaged.owner:
+        tags.add(f"owner:{triaged.owner}")
+    async with get_client() as client:
+        await client.update_flow_run(run_id, tags=sorted(tags | set(flow_run.tags)))
+
+
+def _summary(
+    decision: Decision, acted: ActOutcome, resumed: ResumeOutcome | None, verified: VerifyOutcome | None
+) -> str:
+    parts = [
+        f"{decision.classification.value} fault → {decision.action.value} ({acted.status}: {acted.detail})"
+    ]
+    if resumed:
+        parts.append(
+            f"job {resumed.job} resumed from step {resumed.checkpoint_step} (now {resumed.resumed_step})"
+        )
+    if verified:
+        parts.append(verified.detail)
+    return "; ".join(parts)
+
+
+def _message(triaged: Triage, decision: Decision, summary: str) -> Message:
+    return Message(
+        incident=triaged.incident,
+        channel=triaged.channel,
+        title=f"{decision.classification.value.capitalize()} fault on {triaged.node}: {decision.action.value}",
+        body=f"{summary}\nDecision: rule `{decision.rule}` — {decision.reason}",
+        recommend=tuple(decision.recommend),
+        fields={
+            "node": triaged.node,
+            "gpu": "" if triaged.gpu is None else str(triaged.gpu),
+            "jobs": ", ".join(triaged.jobs),
+            "owner": triaged.owner or "",
+            "flow run": _run_name() if flow_run.id else "",
+        },
+    )
+
+
+async def _ladder(triaged: Triage, decision: Decision) -> tuple[Decision, list[str]]:
+    """Climb DCGM levels while the policy asks for a diagnostic; stop at the first conclusive one."""
+    seen: list[str] = []
+    for _ in range(MAX_LADDER_STEPS):
+        if decision.action is not Action.DIAGNOSE or decision.diagnose_level is None:
+            break
+        result = diagnose(triaged.incident, triaged.node, decision.diagnose_level)
+        seen.append(
+            f"L{result.level} {result.result}"
+            + (f" ({', '.join(result.error_ids)})" if result.error_ids else "")
+        )
+        if result.result == "error":
+            # No verdict about the GPU: climbing further would only repeat the failure.
+            return decision.model_copy(
+                update={
+                    "action": Action.ESCALATE,
+                    "reason": f"{decision.reason}; DCGM could not run: {result.detail}",
+                }
+            ), seen
+        decision = decide_incident(triaged.incident)
+    return decision, seen
+
+
+@flow(name="remediate-incident", flow_run_name=_run_name, log_prints=False, persist_result=False)
+async def remediate(incident_id: str, node: str) -> Outcome:
+    logger = get_run_logger()
+    triaged = triage(incident_id)
+    decision, seen = await _ladder(triaged, triaged.decision)
+    if not seen:
+        decision = decide_incident(incident_id)
+    elif decision.action is Action.DIAGNOSE:
+        decision = decision.model_copy(
+            update={"action": Action.ESCALATE, "reason": decision.reason + "; ladder exhausted"}
+        )
+    await _tag_run(triaged, decision)
+
+    state: State[ActOutcome] = act(incident_id, node, triaged.gpu, decision, return_state=True)
+    if state.is_completed():
+        acted = await state.result()
+    else:
+        # Retries exhausted: never silently dropped — the incident escalates with the error.
+        acted = ActOutcome(
+            action=decision.action, status="escalated", detail=f"action failed: {state.message}"
+        )
+
+    resumed = None
+    if acted.took_node_out:
+        for job in triaged.jobs:
+            job_state: State[ResumeOutcome] = resume_job(incident_id, job, [node], return_state=True)
+            if job_state.is_completed():
+                resumed = await job_state.result()
+            else:
+                logger.error("job %s did not resume: %s", job, job_state.message)
+
+    verified = None
+    if acted.status == "done" and decision.action in DESTRUCTIVE:
+        verified = verify(incident_id, node, current().policy().policy.defaults.verify_level)
+
+    summary = _summary(decision, acted, resumed, verified)
+    updates = [*(f"DCGM {s}" for s in seen)]
+    if resumed:
+        updates.append(
+            f"Job {resumed.job} resumed from step {resumed.checkpoint_step}; work lost ≈ {resumed.lost_seconds:.0f} s"
+        )
+    notify_state = notify(_message(triaged, decision, summary), updates, return_state=True)
+    if not notify_state.is_completed():
+        logger.error("notification failed, remediation goes on: %s", notify_state.message)
+
+    escalated = acted.status == "escalated" or (verified is not None and not verified.passed)
+    close(incident_id, summary, status="escalated" if escalated else "closed")
+    detail = current().store.incident_detail(incident_id)
+    if detail is not None:
+        await create_markdown_artifact(
+            markdown=incident_markdown(detail), key=incident_id, description=summary
+        )
+    return Outcome(
+        incident=incident_id,
+        node=node,
+        classification=decision.classification.value,
+        action=decision.action.value,
+        rule=decision.rule,
+        reason=decision.reason,
+        act=acted.status,
+        resumed=resumed,
+        verified=verified,
+        diagnostics=seen,
+        notified=notify_state.is_completed(),
+        summary=summary,
+    )

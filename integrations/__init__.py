@@ -1,0 +1,1 @@
+"""Outside systems, each behind a small Protocol (integrations/protocols.py)."""

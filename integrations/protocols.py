@@ -1,0 +1,119 @@
+"""The small interfaces flows talk to. Each has a simulated implementation (integrations/sim)
+used by the demo and tests; real ones (Slurm, HyperPod, EC2, DCGM, Slack, DCP) plug in by
+configuration without the flows changing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+
+class NodeState(StrEnum):
+    IDLE = "idle"
+    ALLOCATED = "allocated"
+    DRAINED = "drained"  # no new work; running work may finish
+    DOWN = "down"
+    REBOOTING = "rebooting"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    name: str
+    state: NodeState
+    reason: str | None = None  # why it is drained/down, as the scheduler shows it
+    switch: str | None = None
+    gpus: int = 0
+
+    @property
+    def drained_by_medic(self) -> bool:
+        return self.state in (NodeState.DRAINED, NodeState.DOWN) and (self.reason or "").startswith("medic:")
+
+
+class JobState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    FAILED = "failed"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class JobInfo:
+    id: str
+    state: JobState
+    nodes: tuple[str, ...]
+    owner: str | None = None
+    step: int | None = None  # the last training step the job reported
+    restarts: int = 0
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    def nodes(self) -> list[NodeInfo]: ...
+    def node(self, name: str) -> NodeInfo: ...
+    def job(self, job_id: str) -> JobInfo | None: ...
+    def jobs_on_node(self, name: str) -> list[JobInfo]: ...
+    def drain(self, name: str, reason: str) -> None: ...
+    def resume(self, name: str) -> None: ...
+    def requeue(self, job_id: str, exclude: list[str]) -> JobInfo: ...
+
+
+@runtime_checkable
+class NodeProvider(Protocol):
+    """Hardware actions. Each returns a short description of what the backend did."""
+
+    def reset_gpu(self, node: str, gpu: int | None) -> str: ...
+    def reboot(self, node: str) -> str: ...
+    def replace(self, node: str) -> str: ...
+    def wait_ready(self, node: str, timeout_s: float) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DiagnosticResult:
+    node: str
+    level: int
+    result: str  # pass | fail | error (the test could not run: no verdict about the GPU)
+    error_ids: tuple[str, ...] = ()
+    detail: str = ""
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+@runtime_checkable
+class Diagnostics(Protocol):
+    def run(self, node: str, level: int, timeout_s: float) -> DiagnosticResult: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One notification: a headline, the body in markdown-ish text, and where it should go."""
+
+    incident: str
+    channel: str
+    title: str
+    body: str
+    recommend: tuple[str, ...] = ()
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Notifier(Protocol):
+    def post(self, message: Message) -> str: ...  # returns a thread reference for replies
+    def reply(self, thread: str, text: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    job: str
+    step: int
+    saved_at: datetime
+    location: str
+
+
+@runtime_checkable
+class CheckpointStore(Protocol):
+    def latest(self, job: str) -> Checkpoint | None: ...

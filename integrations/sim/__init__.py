@@ -1,0 +1,1 @@
+"""Simulated backends over one in-process fleet (the demo and the tests use them)."""

@@ -1,0 +1,123 @@
+"""One in-process simulated fleet: nodes, GPUs, training jobs, faults and scripted diagnostics.
+
+Every simulated backend (scheduler, provider, diagnostics, checkpoints) reads and changes this
+one object, so an action taken through one Protocol is seen through the others, as on a real
+cluster. Time in the simulation is real time; a running job advances one step each time its
+state is read, which keeps "wait for the job to pass its checkpoint" fast and deterministic.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from integrations.protocols import JobState, NodeState
+
+
+@dataclass(slots=True)
+class SimNode:
+    name: str
+    switch: str
+    gpus: int
+    state: NodeState = NodeState.IDLE
+    reason: str | None = None
+    boots: int = 0
+    replaced: int = 0
+    gpu_resets: int = 0
+
+
+@dataclass(slots=True)
+class SimJob:
+    id: str
+    owner: str
+    nodes: list[str]
+    step: int = 0
+    state: JobState = JobState.RUNNING
+    checkpoint_every: int = 100
+    step_seconds: float = 2.0
+    restarts: int = 0
+    last_checkpoint: tuple[int, datetime] | None = None
+
+
+@dataclass(slots=True)
+class SimFleet:
+    nodes: dict[str, SimNode] = field(default_factory=dict)
+    jobs: dict[str, SimJob] = field(default_factory=dict)
+    # (node, level) -> queued (result, error ids); an empty queue means the level passes.
+    diagnostic_script: dict[tuple[str, int], deque[tuple[str, tuple[str, ...]]]] = field(
+        default_factory=lambda: defaultdict(deque)
+    )
+    # (node, action) -> how many more calls should fail, to exercise retries.
+    failures: dict[tuple[str, str], int] = field(default_factory=dict)
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+
+    @classmethod
+    def build(cls, nodes: int = 8, gpus: int = 8, per_switch: int = 4, prefix: str = "gpu-node-") -> SimFleet:
+        fleet = cls()
+        for i in range(1, nodes + 1):
+            name = f"{prefix}{i}"
+            fleet.nodes[name] = SimNode(name, switch=f"leaf-{(i - 1) // per_switch + 1}", gpus=gpus)
+        return fleet
+
+    def node(self, name: str) -> SimNode:
+        """A node by name; a name the fleet has not seen joins it (replayed events name real hosts)."""
+        with self.lock:
+            if name not in self.nodes:
+                self.nodes[name] = SimNode(name, switch="leaf-unknown", gpus=8)
+            return self.nodes[name]
+
+    def add_job(
+        self,
+        job_id: str,
+        owner: str,
+        nodes: list[str],
+        *,
+        step: int = 0,
+        checkpoint_every: int = 100,
+        step_seconds: float = 2.0,
+    ) -> SimJob:
+        with self.lock:
+            job = SimJob(job_id, owner, list(nodes), step, JobState.RUNNING, checkpoint_every, step_seconds)
+            self._checkpoint(job)
+            self.jobs[job_id] = job
+            for name in nodes:
+                self.node(name).state = NodeState.ALLOCATED
+            return job
+
+    def _checkpoint(self, job: SimJob) -> None:
+        saved_step = job.step - job.step % job.checkpoint_every
+        age = timedelta(seconds=(job.step - saved_step) * job.step_seconds)
+        job.last_checkpoint = (saved_step, datetime.now(UTC) - age)
+
+    def crash_job(self, job_id: str) -> SimJob:
+        """A fault killed the job: it stops where it was; its nodes keep their state."""
+        with self.lock:
+            job = self.jobs[job_id]
+            job.state = JobState.FAILED
+            return job
+
+    def advance(self, job: SimJob) -> None:
+        if job.state is JobState.RUNNING:
+            job.step += 1
+            if job.step % job.checkpoint_every == 0:
+                self._checkpoint(job)
+
+    def script_diagnostic(self, node: str, level: int, result: str, error_ids: tuple[str, ...] = ()) -> None:
+        with self.lock:
+            self.diagnostic_script[(node, level)].append((result, error_ids))
+
+    def fail_next(self, node: str, action: str, times: int = 1) -> None:
+        with self.lock:
+            self.failures[(node, action)] = times
+
+    def record_call(self, node: str, action: str) -> None:
+        """Count a backend call; raise if a failure was scripted for it."""
+        with self.lock:
+            self.calls.append((node, action))
+            left = self.failures.get((node, action), 0)
+            if left > 0:
+                self.failures[(node, action)] = left - 1
+                raise RuntimeError(f"simulated {action} failure on {node}")

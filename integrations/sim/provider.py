@@ -1,0 +1,46 @@
+"""A `NodeProvider` over the simulated fleet: resets, reboots and replacements that take effect."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from integrations.protocols import NodeState
+from integrations.sim.fleet import SimFleet
+
+
+class SimProvider:
+    def __init__(self, fleet: SimFleet) -> None:
+        self.fleet = fleet
+
+    def reset_gpu(self, node: str, gpu: int | None) -> str:
+        with self.fleet.lock:
+            self.fleet.record_call(node, "reset_gpu")
+            self.fleet.node(node).gpu_resets += 1
+        return f"reset GPU {gpu if gpu is not None else 'all'} on {node}"
+
+    def reboot(self, node: str) -> str:
+        with self.fleet.lock:
+            self.fleet.record_call(node, "reboot")
+            sim = self.fleet.node(node)
+            sim.boots += 1
+            sim.state = NodeState.REBOOTING
+        return f"rebooted {node} (boot #{sim.boots})"
+
+    def replace(self, node: str) -> str:
+        with self.fleet.lock:
+            self.fleet.record_call(node, "replace")
+            sim = self.fleet.node(node)
+            sim.replaced += 1
+            sim.state = NodeState.REBOOTING
+            # New hardware: whatever failures were scripted for the old one are gone.
+            for key in [k for k in self.fleet.diagnostic_script if k[0] == node]:
+                self.fleet.diagnostic_script[key] = deque()
+        return f"replaced {node} with new hardware (replacement #{sim.replaced})"
+
+    def wait_ready(self, node: str, timeout_s: float) -> bool:
+        with self.fleet.lock:
+            sim = self.fleet.node(node)
+            if sim.state is NodeState.REBOOTING:
+                # Back up, but still out of service until verification resumes it.
+                sim.state = NodeState.DRAINED
+            return sim.state is not NodeState.DOWN

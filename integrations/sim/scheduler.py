@@ -1,0 +1,81 @@
+"""A `Scheduler` over the simulated fleet, with Slurm's semantics for drains and requeues."""
+
+from __future__ import annotations
+
+from integrations.protocols import JobInfo, JobState, NodeInfo, NodeState
+from integrations.sim.fleet import SimFleet, SimJob
+
+
+class SimScheduler:
+    def __init__(self, fleet: SimFleet) -> None:
+        self.fleet = fleet
+
+    def _info(self, name: str) -> NodeInfo:
+        node = self.fleet.node(name)
+        return NodeInfo(node.name, node.state, node.reason, node.switch, node.gpus)
+
+    def nodes(self) -> list[NodeInfo]:
+        with self.fleet.lock:
+            return [self._info(name) for name in sorted(self.fleet.nodes)]
+
+    def node(self, name: str) -> NodeInfo:
+        with self.fleet.lock:
+            return self._info(name)
+
+    @staticmethod
+    def _job_info(job: SimJob) -> JobInfo:
+        return JobInfo(job.id, job.state, tuple(job.nodes), job.owner, job.step, job.restarts)
+
+    def job(self, job_id: str) -> JobInfo | None:
+        with self.fleet.lock:
+            job = self.fleet.jobs.get(job_id)
+            if job is None:
+                return None
+            self.fleet.advance(job)
+            return self._job_info(job)
+
+    def jobs_on_node(self, name: str) -> list[JobInfo]:
+        with self.fleet.lock:
+            return [self._job_info(j) for j in self.fleet.jobs.values() if name in j.nodes]
+
+    def drain(self, name: str, reason: str) -> None:
+        if not reason:
+            raise ValueError("a drain needs a reason")
+        with self.fleet.lock:
+            self.fleet.record_call(name, "drain")
+            node = self.fleet.node(name)
+            if node.state is not NodeState.DOWN:
+                node.state = NodeState.DRAINED
+            node.reason = reason
+
+    def resume(self, name: str) -> None:
+        with self.fleet.lock:
+            self.fleet.record_call(name, "resume")
+            node = self.fleet.node(name)
+            if node.state not in (NodeState.DRAINED, NodeState.DOWN):
+                raise ValueError(f"{name} is {node.state.value}, not drained: nothing to resume")
+            busy = any(name in j.nodes and j.state is JobState.RUNNING for j in self.fleet.jobs.values())
+            node.state = NodeState.ALLOCATED if busy else NodeState.IDLE
+            node.reason = None
+
+    def requeue(self, job_id: str, exclude: list[str]) -> JobInfo:
+        """Restart the job from its last checkpoint on the same number of healthy nodes."""
+        with self.fleet.lock:
+            self.fleet.record_call(job_id, "requeue")
+            job = self.fleet.jobs[job_id]
+            keep = [n for n in job.nodes if n not in exclude]
+            spare = [
+                n.name
+                for n in self.fleet.nodes.values()
+                if n.state is NodeState.IDLE and n.name not in exclude and n.name not in keep
+            ]
+            needed = len(job.nodes) - len(keep)
+            if len(spare) < needed:
+                raise RuntimeError(f"job {job_id}: {needed} spare nodes needed, {len(spare)} idle")
+            for name in spare[:needed]:
+                self.fleet.nodes[name].state = NodeState.ALLOCATED
+            job.nodes = keep + spare[:needed]
+            job.step = job.last_checkpoint[0] if job.last_checkpoint else 0
+            job.state = JobState.RUNNING
+            job.restarts += 1
+            return self._job_info(job)

@@ -1,0 +1,265 @@
+"""The `medic` command line (docs/cli.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from medic.cli import render
+from medic.config import load_settings
+from medic.intake import read_file
+from medic.policy import LoadedPolicy, PolicyError, load_policy
+
+app = typer.Typer(
+    name="medic",
+    help="GPU Medic: automated fault remediation for GPU training clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+policy_app = typer.Typer(help="Check and inspect policy files.", no_args_is_help=True)
+app.add_typer(policy_app, name="policy")
+
+console = Console()
+err = Console(stderr=True, soft_wrap=True)  # diagnostics stay one grep-able file:line line each
+
+PolicyOption = Annotated[
+    Path | None,
+    typer.Option("--policy", "-p", help="Policy file (default: $MEDIC_POLICY or policies/default.yaml)."),
+]
+EventsArgument = Annotated[
+    Path, typer.Argument(help="Events, one JSON object per line.", exists=True, dir_okay=False)
+]
+
+
+def _policy(path: Path | None) -> LoadedPolicy:
+    try:
+        return load_policy(path or load_settings().policy_path)
+    except PolicyError as error:
+        err.print(f"[red]policy error[/red]\n{error}")
+        raise typer.Exit(2) from None
+
+
+def _report_rejections(intake_rejected: list, duplicates: list[str]) -> None:  # type: ignore[type-arg]
+    for rejection in intake_rejected:
+        err.print(f"[yellow]rejected[/yellow] {rejection}")
+    if duplicates:
+        err.print(f"[dim]ignored {len(duplicates)} repeated event ids[/dim]")
+
+
+@app.command()
+def triage(
+    events: EventsArgument,
+    policy: PolicyOption = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per incident and line.")] = False,
+) -> None:
+    """Group events into incidents and decide on each, WITHOUT acting."""
+    from medic.triage import triage as run_triage
+    from medic.triage import triage_line
+
+    loaded = _policy(policy)
+    intake = read_file(events)
+    _report_rejections(intake.rejected, intake.duplicates)
+    results = list(run_triage(intake.events, loaded))
+    if as_json:
+        for incident, decision in results:
+            sys.stdout.write(triage_line(incident, decision).model_dump_json() + "\n")
+        return
+    table = Table(title=f"Triage with {loaded.path} ({loaded.sha256[:12]})", title_justify="left")
+    for column in ("incident", "nodes", "events", "class", "action", "level", "rule", "reason"):
+        table.add_column(column, overflow="fold")
+    for incident, decision in results:
+        table.add_row(
+            incident.id,
+            ", ".join(incident.nodes),
+            str(len(incident.events)),
+            decision.classification.value,
+            render.action_text(decision.action.value),
+            str(decision.diagnose_level or ""),
+            decision.rule,
+            decision.reason,
+        )
+    console.print(table)
+
+
+def _runtime(policy: Path | None, database_url: str | None = None):  # type: ignore[no-untyped-def]
+    from integrations.registry import BackendError, from_settings
+    from medic.store import Store
+    from tasks.runtime import Runtime, configure
+
+    settings = load_settings()
+    loaded = _policy(policy)
+    try:
+        backends = from_settings(settings)
+    except BackendError as error:
+        err.print(f"[red]{error}[/red]")
+        raise typer.Exit(2) from None
+    return configure(Runtime(Store(database_url or settings.database_url), backends, Path(loaded.path)))
+
+
+@app.command()
+def ingest(events: EventsArgument, policy: PolicyOption = None) -> None:
+    """Store events, group them into incidents and remediate each through the flows."""
+    from flows.dispatch import remediate_all
+    from medic.cli.prefect_run import run_flows
+
+    rt = _runtime(policy)
+    intake = read_file(events)
+    dispatch = run_flows(remediate_all(rt, intake))
+    _report_rejections(intake.rejected, intake.duplicates)
+    console.print(render.incidents_table([rt.store.get_incident(i.id) for i in dispatch.incidents]))  # type: ignore[misc]
+    for incident_id, why in dispatch.failed:
+        err.print(f"[red]incident {incident_id} failed:[/red] {why}")
+    if dispatch.failed:
+        raise typer.Exit(1)
+
+
+def _since(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    units = {"m": "minutes", "h": "hours", "d": "days"}
+    if value[-1] in units and value[:-1].isdigit():
+        return datetime.now(UTC) - timedelta(**{units[value[-1]]: int(value[:-1])})
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise typer.BadParameter("use an RFC 3339 time or a span like 30m, 6h, 7d") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+@app.command()
+def incidents(
+    node: Annotated[str | None, typer.Option(help="Incidents with any event on this node.")] = None,
+    job: Annotated[str | None, typer.Option(help="Incidents with any event from this job.")] = None,
+    owner: Annotated[str | None, typer.Option(help="Incidents of this job owner.")] = None,
+    since: Annotated[str | None, typer.Option(help="RFC 3339 time or a span: 30m, 6h, 7d.")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Find incidents in the store: "which jobs did this node touch?", "everything for job J"."""
+    from medic.store import Store
+
+    store = Store(load_settings().database_url)
+    rows = store.find_incidents(node=node, job=job, owner=owner, since=_since(since))
+    if as_json:
+        for row in rows:
+            sys.stdout.write(row.model_dump_json() + "\n")
+        return
+    console.print(render.incidents_table(rows, title=f"{len(rows)} incidents"))
+
+
+@app.command()
+def incident(incident_id: str) -> None:
+    """Everything the store recorded for one incident, step by step."""
+    from medic.store import Store
+
+    detail = Store(load_settings().database_url).incident_detail(incident_id)
+    if detail is None:
+        err.print(f"[red]no incident {incident_id}[/red]")
+        raise typer.Exit(1)
+    console.print(render.incident_view(detail))
+
+
+@policy_app.command("check")
+def policy_check(files: Annotated[list[Path], typer.Argument(help="Policy files.")]) -> None:
+    """Validate policy files; problems are printed as file:line:column: message."""
+    failed = False
+    for path in files:
+        try:
+            loaded = load_policy(path)
+        except PolicyError as error:
+            failed = True
+            for problem in error.problems:
+                err.print(str(problem), markup=False, highlight=False)
+            continue
+        console.print(f"{path}: ok ({len(loaded.policy.rules)} rules, sha256 {loaded.sha256[:12]})")
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def demo(
+    keep: Annotated[bool, typer.Option(help="Keep the demo's earlier incidents in the store.")] = False,
+) -> None:
+    """Run a simulated 8-node fleet through real Prefect flows (no servers to set up)."""
+    from flows.dispatch import remediate_all
+    from medic.cli import demo as scenario_mod
+    from medic.cli.prefect_run import run_flows
+    from medic.intake import read_lines
+    from medic.store import Store
+    from tasks.runtime import Runtime, configure
+
+    settings = load_settings()
+    database = settings.home / "demo.db"
+    if not keep:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{database}{suffix}").unlink(missing_ok=True)
+    scenario = scenario_mod.build_scenario()
+    events_file = scenario_mod.write_events(scenario.lines, settings.home / "demo-events.jsonl")
+    backends, notifier = scenario_mod.simulated_backends(scenario)
+    loaded = _policy(None)
+    store = Store(f"sqlite:///{database}")
+    rt = configure(Runtime(store, backends, Path(loaded.path)))
+
+    console.rule("[bold]GPU Medic demo[/bold]: 8 simulated nodes, 2 training jobs")
+    for line in scenario.story:
+        console.print(f"  • {line}")
+    console.print(f"[dim]events: {events_file}; store: {database}; policy: {loaded.path}[/dim]\n")
+    intake = read_lines(scenario.lines, events_file.name)
+    dispatch = run_flows(remediate_all(rt, intake))
+
+    console.print(render.rejections_table(intake.rejected))
+    console.print(render.incidents_table([store.get_incident(i.id) for i in dispatch.incidents]))  # type: ignore[misc]
+    outcomes = Table(title="Outcomes", title_justify="left")
+    for column in ("incident", "node", "diagnostics", "outcome"):
+        outcomes.add_column(column, overflow="fold")
+    for o in dispatch.outcomes:
+        outcomes.add_row(o.incident, o.node, ", ".join(o.diagnostics) or "-", o.summary)
+    console.print(outcomes)
+    console.print(_stage_times(store, [i.id for i in dispatch.incidents]))
+    console.rule("Messages for the owners")
+    for thread in notifier.threads.values():
+        console.print(render.message_panel(thread.message, thread.replies))
+    console.print(
+        "\nNext: [bold]prefect flow-run ls[/bold] shows the runs; "
+        f"[bold]MEDIC_DATABASE_URL=sqlite:///{database} medic incident <id>[/bold] shows one step by step."
+    )
+    if dispatch.failed:
+        raise typer.Exit(1)
+
+
+def _stage_times(store, incident_ids: list[str]) -> Table:  # type: ignore[no-untyped-def]
+    from medic.cli.demo import stage_columns
+
+    columns = list(stage_columns())
+    table = Table(title="Seconds per stage", title_justify="left")
+    table.add_column("incident")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for incident_id in incident_ids:
+        detail = store.incident_detail(incident_id)
+        spent = dict.fromkeys(columns, 0.0)
+        for step in detail.steps:
+            key = next((c for c in columns if step.stage.startswith(c.split()[0])), None)
+            if key:
+                spent[key] += (step.finished_at - step.started_at).total_seconds()
+        table.add_row(incident_id, *(f"{spent[c]:.3f}" if spent[c] else "-" for c in columns))
+    return table
+
+
+@app.command()
+def schema() -> None:
+    """Print the fault-event JSON Schema (docs/events.md)."""
+    from medic.events import FaultEvent
+
+    sys.stdout.write(json.dumps(FaultEvent.model_json_schema(), indent=2) + "\n")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,127 @@
+"""What the policy engine sees of an incident: facts distilled once from its events.
+
+Rules are evaluated against these plain values, never against raw events, so the engine
+stays pure and fast and `medic policy explain` can print exactly what a rule saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from medic import dcgm_errors
+from medic.dcgm_errors import Severity
+from medic.events import EventKind
+from medic.incidents import Incident
+
+HISTORY_WINDOW = timedelta(days=7)
+
+
+@dataclass(frozen=True, slots=True)
+class DiagnosticFact:
+    level: int
+    result: str  # "pass" | "fail"
+    error_names: tuple[str, ...]
+    worst_severity: Severity | None
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    incident: str
+    node: str
+    nodes: tuple[str, ...]
+    jobs: tuple[str, ...]
+    gpus: tuple[int, ...]
+    event_count: int
+    kinds: frozenset[EventKind]
+    xid_codes: frozenset[int]
+    dcgm_errors: frozenset[str]
+    dcgm_severities: frozenset[Severity]
+    ecc_dbe: int
+    ecc_sbe: int
+    straggler_reports: int
+    straggler_max_ratio: float
+    diagnostics: tuple[DiagnosticFact, ...]  # in the order they ran
+    out_of_service: bool
+    recent_remediations: int  # our actions on this node in the last 7 days
+
+    @property
+    def latest_diagnostic(self) -> DiagnosticFact | None:
+        return self.diagnostics[-1] if self.diagnostics else None
+
+    @property
+    def highest_level_run(self) -> int:
+        return max((d.level for d in self.diagnostics), default=0)
+
+
+def _worst(severities: Iterable[Severity]) -> Severity | None:
+    order = list(Severity)
+    found = list(severities)
+    return max(found, key=order.index) if found else None
+
+
+def _dcgm_names(errors: Iterable[int | str]) -> tuple[tuple[str, ...], list[Severity]]:
+    names: list[str] = []
+    severities: list[Severity] = []
+    for raw in errors:
+        known = dcgm_errors.lookup(raw)
+        names.append(known.name if known else str(raw))
+        severities.append(known.severity if known else Severity.UNKNOWN)
+    return tuple(names), severities
+
+
+def facts_of(
+    incident: Incident,
+    *,
+    out_of_service: bool = False,
+    now: datetime | None = None,
+) -> Facts:
+    """Distil an incident. `now` bounds the history window (defaults to the incident's last event)."""
+    now = now or incident.last_at
+    xids: set[int] = set()
+    dcgm_names: set[str] = set()
+    dcgm_severities: set[Severity] = set()
+    dbe = sbe = stragglers = 0
+    straggler_max = 0.0
+    diagnostics: list[DiagnosticFact] = []
+    for event in incident.events:
+        attrs = event.attributes
+        match event.kind:
+            case EventKind.XID:
+                xids.add(int(attrs["code"]))
+            case EventKind.DCGM_HEALTH:
+                names, severities = _dcgm_names([attrs["error_id"]])
+                dcgm_names.update(names)
+                dcgm_severities.update(severities)
+            case EventKind.ECC:
+                dbe += int(attrs.get("dbe", 0))
+                sbe += int(attrs.get("sbe", 0))
+            case EventKind.STRAGGLER:
+                stragglers += 1
+                straggler_max = max(straggler_max, float(attrs["step_time_ratio"]))
+            case EventKind.DIAGNOSTIC:
+                names, severities = _dcgm_names(attrs.get("error_ids", []))
+                diagnostics.append(
+                    DiagnosticFact(int(attrs["level"]), attrs["result"], names, _worst(severities))
+                )
+    recent = [h for h in incident.history if now - h.time <= HISTORY_WINDOW]
+    return Facts(
+        incident=incident.id,
+        node=incident.node,
+        nodes=tuple(incident.nodes),
+        jobs=tuple(incident.jobs),
+        gpus=tuple(sorted({e.gpu for e in incident.events if e.gpu is not None})),
+        event_count=len(incident.events),
+        kinds=frozenset(e.kind for e in incident.events),
+        xid_codes=frozenset(xids),
+        dcgm_errors=frozenset(dcgm_names),
+        dcgm_severities=frozenset(dcgm_severities),
+        ecc_dbe=dbe,
+        ecc_sbe=sbe,
+        straggler_reports=stragglers,
+        straggler_max_ratio=straggler_max,
+        diagnostics=tuple(diagnostics),
+        out_of_service=out_of_service,
+        recent_remediations=len(recent),
+    )

@@ -1,0 +1,188 @@
+"""The policy schema: what SREs write in policies/*.yaml (documented in docs/policy.md).
+
+Unknown keys are errors everywhere, so a misspelt condition can never silently match all.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from medic.dcgm_errors import Severity
+from medic.events import EventKind
+
+
+class Action(StrEnum):
+    NONE = "none"
+    DIAGNOSE = "diagnose"
+    RESET_GPU = "reset_gpu"
+    REBOOT = "reboot"
+    REPLACE = "replace"
+    DRAIN = "drain"
+    REINTEGRATE = "reintegrate"
+    ESCALATE = "escalate"
+
+
+class Classification(StrEnum):
+    HARDWARE = "hardware"
+    SOFTWARE = "software"
+    INFRASTRUCTURE = "infrastructure"
+    UNKNOWN = "unknown"
+
+
+# Precedence among matching rules: the most far-reaching node action wins (docs/policy.md).
+ACTION_RANK: dict[Action, int] = {
+    Action.REPLACE: 7,
+    Action.REBOOT: 6,
+    Action.RESET_GPU: 5,
+    Action.DIAGNOSE: 4,
+    Action.DRAIN: 3,
+    Action.ESCALATE: 2,
+    Action.REINTEGRATE: 1,
+    Action.NONE: 0,
+}
+
+# Actions that take a node (or a GPU) away from its jobs.
+DESTRUCTIVE = frozenset({Action.RESET_GPU, Action.REBOOT, Action.REPLACE})
+OUT_OF_SERVICE = DESTRUCTIVE | {Action.DRAIN}
+
+
+class DuplicateRuleId(ValueError):
+    """Carries the index of the second rule with an id, so the loader can point at it."""
+
+    def __init__(self, rule_id: str, index: int) -> None:
+        super().__init__(f"rule id {rule_id!r} is used twice")
+        self.index = index
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StragglerCondition(_Strict):
+    ratio_at_least: float = Field(1.2, gt=0)
+    reports_at_least: PositiveInt = 3
+
+
+class DiagnosticCondition(_Strict):
+    """About the latest diagnostic run for the incident."""
+
+    result: Literal["pass", "fail"] | None = None
+    level_at_least: int | None = Field(None, ge=1, le=4)
+    worst_severity: list[Severity] | None = Field(
+        None, description="The failed run's most drastic DCGM severity is one of these."
+    )
+
+
+class When(_Strict):
+    """All conditions given must hold; a rule with an empty `when` never matches."""
+
+    kinds: list[EventKind] | None = Field(None, description="Any event of one of these kinds.")
+    not_kinds: list[EventKind] | None = Field(None, description="No event of any of these kinds.")
+    xid: list[int] | None = Field(None, description="Any XID event with one of these codes.")
+    dcgm_errors: list[str] | None = Field(None, description="Any dcgm_health event with these DCGM_FR_* ids.")
+    dcgm_severity: list[Severity] | None = Field(
+        None, description="Any dcgm_health event whose DCGM severity is one of these."
+    )
+    ecc_dbe_at_least: PositiveInt | None = None
+    straggler: StragglerCondition | None = None
+    diagnostic: DiagnosticCondition | None = None
+    out_of_service: bool | None = Field(None, description="The node is drained or down by us.")
+    recent_remediations_at_least: PositiveInt | None = Field(
+        None, description="Our node actions on this node in the last 7 days."
+    )
+    recent_remediations_at_most: NonNegativeInt | None = Field(
+        None, description="At most this many of our node actions on this node in the last 7 days."
+    )
+    min_events: PositiveInt | None = None
+
+    def is_empty(self) -> bool:
+        return all(value is None for value in self.model_dump().values())
+
+
+class Then(_Strict):
+    classification: Classification
+    action: Action
+    diagnose_level: int | Literal["next"] | None = Field(
+        None, description="For action diagnose: the DCGM level (1-4) or `next` after the latest run."
+    )
+    recommend: list[str] = Field(default_factory=list, description="What the owner should do.")
+
+    @model_validator(mode="after")
+    def _level_for_diagnose(self) -> Then:
+        if self.action is Action.DIAGNOSE and self.diagnose_level is None:
+            raise ValueError("action diagnose needs diagnose_level (1-4 or next)")
+        if isinstance(self.diagnose_level, int) and not 1 <= self.diagnose_level <= 4:
+            raise ValueError("diagnose_level must be between 1 and 4")
+        return self
+
+
+class Rule(_Strict):
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9_.-]*$")
+    description: str
+    priority: int = 0
+    override: bool = Field(
+        False, description="Wins over every rule without override (repeat offenders, escalations)."
+    )
+    when: When
+    then: Then
+
+    @field_validator("when")
+    @classmethod
+    def _has_conditions(cls, when: When, info: ValidationInfo) -> When:
+        # A field validator, so the error points at the `when:` line rather than the rule's first.
+        if when.is_empty():
+            raise ValueError(f"rule {info.data.get('id', '?')}: `when` needs at least one condition")
+        return when
+
+
+class Defaults(_Strict):
+    incident_window_minutes: PositiveInt = 10
+    classification: Classification = Classification.UNKNOWN
+    action: Action = Action.NONE
+    max_diagnose_level: int = Field(4, ge=1, le=4)
+    verify_level: int = Field(1, ge=1, le=4, description="DCGM level run before a node returns.")
+
+
+class Policy(_Strict):
+    version: Literal[1] = 1
+    description: str = ""
+    defaults: Defaults = Field(default_factory=Defaults)
+    owners: dict[str, str] = Field(
+        default_factory=dict, description="Owner or team name -> Slack channel or user."
+    )
+    rules: list[Rule]
+
+    @model_validator(mode="after")
+    def _unique_ids(self) -> Policy:
+        seen: set[str] = set()
+        for index, rule in enumerate(self.rules):
+            if rule.id in seen:
+                raise DuplicateRuleId(rule.id, index)
+            seen.add(rule.id)
+        return self
+
+
+class Decision(_Strict):
+    """The engine's answer for one incident; recorded verbatim in the store."""
+
+    incident: str
+    classification: Classification
+    action: Action
+    diagnose_level: int | None = None
+    rule: str
+    reason: str
+    recommend: list[str] = Field(default_factory=list)
+    matched: list[str] = Field(default_factory=list, description="Every rule that matched, winner first.")
+    policy_sha256: str = ""

@@ -1,0 +1,137 @@
+"""The audit and incident tables. Our store, not Prefect's history, is the system of record."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Column, Text, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+from medic.store.types import UTCDateTime
+
+
+def _time(*, index: bool = False, nullable: bool = False) -> Any:
+    return Field(sa_column=Column(UTCDateTime(), index=index, nullable=nullable))
+
+
+def _json() -> Any:
+    return Field(default=None, sa_column=Column(JSON, nullable=True))
+
+
+class EventRecord(SQLModel, table=True):
+    __tablename__ = "events"
+
+    id: str = Field(primary_key=True, max_length=200)
+    time: datetime = _time(index=True)
+    received_at: datetime = _time()
+    source: str
+    kind: str = Field(index=True)
+    node: str = Field(index=True)
+    # BIGINT: the schema bounds none of these, and PostgreSQL's INTEGER stops at 2**31 - 1.
+    gpu: int | None = Field(default=None, sa_type=BigInteger)
+    job: str | None = Field(default=None, index=True)
+    rank: int | None = Field(default=None, sa_type=BigInteger)
+    iteration: int | None = Field(default=None, sa_type=BigInteger)
+    switch: str | None = None
+    attributes: dict[str, Any] | None = _json()
+    incident_id: str | None = Field(default=None, index=True)
+
+
+class RejectedRecord(SQLModel, table=True):
+    """The dead letter: input that was not an event, kept verbatim with the reason."""
+
+    __tablename__ = "rejected_events"
+
+    id: int | None = Field(default=None, primary_key=True)
+    received_at: datetime = _time(index=True)
+    origin: str
+    raw: str = Field(sa_column=Column(Text, nullable=False))
+    reason: str = Field(sa_column=Column(Text, nullable=False))
+
+
+class IncidentRecord(SQLModel, table=True):
+    __tablename__ = "incidents"
+
+    id: str = Field(primary_key=True)
+    node: str = Field(index=True)
+    switch: str | None = None
+    opened_at: datetime = _time(index=True)
+    last_event_at: datetime = _time()
+    closed_at: datetime | None = _time(nullable=True)
+    status: str = Field(default="open", index=True)  # open | remediating | closed
+    jobs: list[str] | None = _json()
+    owner: str | None = Field(default=None, index=True)
+    classification: str | None = None
+    action: str | None = None
+    rule: str | None = None
+    outcome: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    flow_run_id: str | None = None
+    flow_run_name: str | None = None
+
+
+class StepRecord(SQLModel, table=True):
+    """One stage of one flow run: what it did, how long it took, how it ended."""
+
+    __tablename__ = "steps"
+
+    id: int | None = Field(default=None, primary_key=True)
+    incident_id: str = Field(index=True)
+    stage: str
+    started_at: datetime = _time()
+    finished_at: datetime = _time()
+    status: str  # ok | failed | skipped
+    summary: str = Field(default="", sa_column=Column(Text, nullable=False))
+    detail: dict[str, Any] | None = _json()
+
+
+class DiagnosticRecord(SQLModel, table=True):
+    __tablename__ = "diagnostics"
+
+    id: int | None = Field(default=None, primary_key=True)
+    incident_id: str = Field(index=True)
+    node: str = Field(index=True)
+    level: int
+    result: str  # pass | fail | error
+    error_ids: list[str] | None = _json()
+    started_at: datetime = _time()
+    finished_at: datetime = _time()
+    detail: str = Field(default="", sa_column=Column(Text, nullable=False))
+
+
+class DecisionRecord(SQLModel, table=True):
+    __tablename__ = "decisions"
+
+    id: int | None = Field(default=None, primary_key=True)
+    incident_id: str = Field(index=True)
+    decided_at: datetime = _time()
+    policy_path: str
+    policy_sha256: str
+    rule: str
+    classification: str
+    action: str
+    diagnose_level: int | None = None
+    reason: str = Field(sa_column=Column(Text, nullable=False))
+    matched: list[str] | None = _json()
+    recommend: list[str] | None = _json()
+
+
+class ActionRecord(SQLModel, table=True):
+    """A node action: its intent is written before the call, its outcome after.
+
+    `key` (incident, node, action) is unique: the same fault can never act twice.
+    """
+
+    __tablename__ = "actions"
+    __table_args__ = (UniqueConstraint("key"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    key: str
+    incident_id: str = Field(index=True)
+    node: str = Field(index=True)
+    action: str
+    status: str  # intent | succeeded | failed
+    attempts: int = 0
+    intent_at: datetime = _time()
+    finished_at: datetime | None = _time(nullable=True)
+    detail: str = Field(default="", sa_column=Column(Text, nullable=False))

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One command on a fresh machine: install what the tests need, then run the whole suite
+# (unit, Prefect flows, PostgreSQL, a real Prefect server) and the linter.
+# Extra arguments go to pytest, e.g. scripts/test.sh -k flow
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup.sh test
+
+# PostgreSQL: the store and Prefect-server tests use a real one at 127.0.0.1:5432
+# (point MEDIC_TEST_POSTGRES at another server to use that instead).
+if [ -z "${MEDIC_TEST_POSTGRES:-}" ] && ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/dev/null; then
+  if ! command -v pg_ctlcluster >/dev/null 2>&1; then
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends postgresql
+  fi
+  version=$(ls /etc/postgresql | sort -V | tail -n 1)
+  pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
+  for _ in $(seq 1 50); do pg_isready -h 127.0.0.1 -p 5432 -q && break; sleep 0.2; done
+  pg_isready -h 127.0.0.1 -p 5432 || { echo "PostgreSQL is not reachable at 127.0.0.1:5432" >&2; exit 1; }
+fi
+
+export PREFECT_SERVER_ANALYTICS_ENABLED=false
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+exec .venv/bin/pytest "$@"

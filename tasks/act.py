@@ -1,0 +1,78 @@
+"""Act: carry out the decided node action, at most once per fault."""
+
+from __future__ import annotations
+
+from prefect import task
+from pydantic import BaseModel
+
+from medic.policy import Action, Decision
+from medic.policy.model import DESTRUCTIVE
+from tasks.node_ops import ensure_drained, resume_node
+from tasks.runtime import Runtime, current
+from tasks.stage import stage
+
+
+class ActOutcome(BaseModel):
+    action: Action
+    status: str  # done | skipped | already-done | escalated
+    detail: str
+
+    @property
+    def took_node_out(self) -> bool:
+        return self.status in ("done", "already-done") and self.action in DESTRUCTIVE | {Action.DRAIN}
+
+
+def _destructive(rt: Runtime, incident_id: str, node: str, gpu: int | None, action: Action) -> ActOutcome:
+    key = f"{incident_id}:{node}:{action.value}"
+    row, fresh = rt.store.claim_action(key, incident_id, node, action.value)
+    if not fresh and row.status == "succeeded":
+        return ActOutcome(
+            action=action, status="already-done", detail=f"{action.value} already done: {row.detail}"
+        )
+    if not fresh and row.status == "intent":
+        # An earlier attempt died between intent and outcome: we cannot tell whether the node
+        # was hit, and a second reboot or replacement is worse than asking a human.
+        return ActOutcome(
+            action=action,
+            status="escalated",
+            detail=f"an earlier {action.value} of {node} did not report back; not repeating it blind",
+        )
+    drained = ensure_drained(rt, incident_id, node, action.value)
+    provider = rt.backends.provider
+    try:
+        if action is Action.RESET_GPU:
+            done = provider.reset_gpu(node, gpu)
+        elif action is Action.REBOOT:
+            done = provider.reboot(node)
+        else:
+            done = provider.replace(node)
+    except Exception as error:
+        rt.store.finish_action(key, "failed", f"{type(error).__name__}: {error}")
+        raise
+    rt.store.finish_action(key, "succeeded", done)
+    return ActOutcome(action=action, status="done", detail=f"{drained}; {done}")
+
+
+@task(name="act", retries=2, retry_delay_seconds=1, timeout_seconds=1800)
+def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> ActOutcome:
+    rt = current()
+    with stage(rt.store, incident_id, f"act: {decision.action.value}") as log:
+        action = decision.action
+        if action in DESTRUCTIVE:
+            outcome = _destructive(rt, incident_id, node, gpu, action)
+        elif action is Action.DRAIN:
+            outcome = ActOutcome(
+                action=action, status="done", detail=ensure_drained(rt, incident_id, node, "drain")
+            )
+        elif action is Action.REINTEGRATE:
+            outcome = ActOutcome(action=action, status="done", detail=resume_node(rt, incident_id, node))
+        elif action is Action.ESCALATE:
+            outcome = ActOutcome(
+                action=action, status="escalated", detail="handed to humans; node not touched"
+            )
+        else:
+            outcome = ActOutcome(action=action, status="skipped", detail=f"{node} left alone")
+        log.done(
+            outcome.detail, status="skipped" if outcome.status == "skipped" else "ok", result=outcome.status
+        )
+        return outcome

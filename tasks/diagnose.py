@@ -1,0 +1,70 @@
+"""Diagnose: run one DCGM level on the node and add its verdict to the incident's evidence."""
+
+from __future__ import annotations
+
+from prefect import task
+from pydantic import BaseModel
+
+from medic.events import FaultEvent
+from medic.store import utcnow
+from medic.store.tables import DiagnosticRecord
+from tasks.node_ops import ensure_drained
+from tasks.runtime import current
+from tasks.stage import stage
+
+# Hard time budget per DCGM level (seconds): L1 takes seconds, L4 up to two hours.
+LEVEL_BUDGET_S: dict[int, float] = {1: 120, 2: 900, 3: 2700, 4: 9000}
+
+
+class DiagnosticOutcome(BaseModel):
+    level: int
+    result: str  # pass | fail | error
+    error_ids: list[str]
+    detail: str
+
+
+@task(name="diagnose", retries=1, retry_delay_seconds=2)
+def diagnose(incident_id: str, node: str, level: int) -> DiagnosticOutcome:
+    rt = current()
+    with stage(rt.store, incident_id, f"diagnose L{level}") as log:
+        drained = None
+        if level >= 2:
+            # Levels 2-4 stress the GPUs: nothing else may run on them.
+            drained = ensure_drained(rt, incident_id, node, f"DCGM level {level}")
+        result = rt.backends.diagnostics.run(node, level, timeout_s=LEVEL_BUDGET_S[level])
+        started, finished = result.started_at or utcnow(), result.finished_at or utcnow()
+        rt.store.add_diagnostic(
+            DiagnosticRecord(
+                incident_id=incident_id,
+                node=node,
+                level=level,
+                result=result.result,
+                error_ids=list(result.error_ids),
+                started_at=started,
+                finished_at=finished,
+                detail=result.detail,
+            )
+        )
+        if result.result in ("pass", "fail"):
+            rt.store.add_event(
+                FaultEvent(
+                    id=f"{incident_id}-dcgm-l{level}-{finished.strftime('%Y%m%dT%H%M%S%f')}",
+                    time=finished,
+                    source="medic",
+                    kind="diagnostic",
+                    node=node,
+                    attributes={"level": level, "result": result.result, "error_ids": list(result.error_ids)},
+                ),
+                incident_id,
+            )
+        log.done(
+            f"DCGM level {level} {result.result}"
+            + (f" ({', '.join(result.error_ids)})" if result.error_ids else "")
+            + (f"; {drained}" if drained else ""),
+            status="ok" if result.result != "error" else "failed",
+            level=level,
+            error_ids=list(result.error_ids),
+        )
+        return DiagnosticOutcome(
+            level=level, result=result.result, error_ids=list(result.error_ids), detail=result.detail
+        )

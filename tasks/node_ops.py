@@ -1,0 +1,42 @@
+"""Scheduler operations on a node that every stage shares, each recorded as an action."""
+
+from __future__ import annotations
+
+from integrations.protocols import NodeState
+from tasks.runtime import Runtime
+
+
+def drain_reason(incident_id: str, why: str) -> str:
+    # The "medic:" prefix marks drains as ours: we only ever resume nodes whose reason has it.
+    return f"medic: {why} incident {incident_id}"
+
+
+def ensure_drained(rt: Runtime, incident_id: str, node: str, why: str) -> str:
+    """Drain the node for this incident unless it is already out of service. Returns what happened."""
+    info = rt.backends.scheduler.node(node)
+    if info.drained_by_medic:
+        return f"{node} already drained by medic"
+    if info.state in (NodeState.DRAINED, NodeState.DOWN):
+        # Someone else took it out (an admin, a health check): leave their reason alone.
+        return f"{node} already {info.state.value} by others ({info.reason}); left as is"
+    key = f"{incident_id}:{node}:drain"
+    _, fresh = rt.store.claim_action(key, incident_id, node, "drain")
+    try:
+        rt.backends.scheduler.drain(node, drain_reason(incident_id, why))
+    except Exception as error:
+        rt.store.finish_action(key, "failed", f"{type(error).__name__}: {error}")
+        raise
+    rt.store.finish_action(key, "succeeded", f"drained {node}", attempts=1 if fresh else 0)
+    return f"drained {node}"
+
+
+def resume_node(rt: Runtime, incident_id: str, node: str) -> str:
+    """Return a node to service, but only one that we drained."""
+    info = rt.backends.scheduler.node(node)
+    if not info.drained_by_medic:
+        return f"{node} not resumed: it is {info.state.value} ({info.reason or 'no reason'}), not drained by medic"
+    key = f"{incident_id}:{node}:resume"
+    rt.store.claim_action(key, incident_id, node, "resume")
+    rt.backends.scheduler.resume(node)
+    rt.store.finish_action(key, "succeeded", f"resumed {node}")
+    return f"resumed {node}"

@@ -1,0 +1,63 @@
+"""Triage: who and what the incident touches, and the policy's first answer."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.runtime import flow_run
+from pydantic import BaseModel
+
+from medic.policy import Decision
+from tasks.evidence import evaluate, load_incident
+from tasks.runtime import current
+from tasks.stage import stage
+
+
+class Triage(BaseModel):
+    incident: str
+    node: str
+    gpu: int | None
+    jobs: list[str]
+    owner: str | None
+    channel: str
+    fleet_size: int
+    decision: Decision
+
+
+@task(name="triage", timeout_seconds=60, retries=2, retry_delay_seconds=1)
+def triage(incident_id: str) -> Triage:
+    rt = current()
+    with stage(rt.store, incident_id, "triage") as log:
+        incident = load_incident(rt, incident_id)
+        scheduler = rt.backends.scheduler
+        jobs = incident.jobs or [j.id for j in scheduler.jobs_on_node(incident.node)]
+        owner = next((info.owner for j in jobs if (info := scheduler.job(j)) and info.owner), None)
+        owners = rt.policy().policy.owners
+        channel = owners.get(owner or "", owners.get("default", "#gpu-medic"))
+        gpu = next((e.gpu for e in incident.events if e.gpu is not None), None)
+        decision = evaluate(rt, incident_id)
+        rt.store.update_incident(
+            incident_id,
+            status="remediating",
+            owner=owner,
+            jobs=jobs,
+            classification=decision.classification.value,
+            flow_run_id=str(flow_run.id) if flow_run.id else None,
+            flow_run_name=flow_run.name,
+        )
+        log.done(
+            f"{len(incident.events)} events on {incident.node}; first answer {decision.action.value} "
+            f"({decision.rule})",
+            kinds=sorted({e.kind.value for e in incident.events}),
+            jobs=jobs,
+            owner=owner,
+        )
+        return Triage(
+            incident=incident_id,
+            node=incident.node,
+            gpu=gpu,
+            jobs=jobs,
+            owner=owner,
+            channel=channel,
+            fleet_size=len(scheduler.nodes()),
+            decision=decision,
+        )

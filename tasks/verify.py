@@ -1,0 +1,50 @@
+"""Verify and reintegrate: a node comes back only after it passes the policy's verification level."""
+
+from __future__ import annotations
+
+from prefect import task
+from pydantic import BaseModel
+
+from medic.store import utcnow
+from medic.store.tables import DiagnosticRecord
+from tasks.node_ops import resume_node
+from tasks.runtime import current
+from tasks.stage import stage
+
+
+class VerifyOutcome(BaseModel):
+    passed: bool
+    detail: str
+
+
+@task(name="verify", retries=1, retry_delay_seconds=2, timeout_seconds=3600)
+def verify(incident_id: str, node: str, level: int, ready_timeout_s: float = 1800) -> VerifyOutcome:
+    rt = current()
+    with stage(rt.store, incident_id, f"verify L{level}") as log:
+        if not rt.backends.provider.wait_ready(node, ready_timeout_s):
+            outcome = VerifyOutcome(passed=False, detail=f"{node} did not come back; kept out of service")
+        else:
+            result = rt.backends.diagnostics.run(node, level, timeout_s=600)
+            rt.store.add_diagnostic(
+                DiagnosticRecord(
+                    incident_id=incident_id,
+                    node=node,
+                    level=level,
+                    result=result.result,
+                    error_ids=list(result.error_ids),
+                    started_at=result.started_at or utcnow(),
+                    finished_at=result.finished_at or utcnow(),
+                    detail=f"verification: {result.detail}",
+                )
+            )
+            if result.result == "pass":
+                outcome = VerifyOutcome(
+                    passed=True, detail=f"DCGM level {level} passed; {resume_node(rt, incident_id, node)}"
+                )
+            else:
+                outcome = VerifyOutcome(
+                    passed=False,
+                    detail=f"DCGM level {level} {result.result} after repair; kept out of service",
+                )
+        log.done(outcome.detail, status="ok" if outcome.passed else "failed")
+        return outcome

@@ -1,0 +1,96 @@
+"""Shared fixtures: a real Prefect (test harness), real SQLite and real PostgreSQL stores."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+from integrations import registry
+from integrations.registry import Backends
+from integrations.sim.fleet import SimFleet
+from medic.config import REPO_ROOT
+from medic.store import Store
+from tasks.runtime import Runtime, configure
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "MEDIC_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
+
+
+@pytest.fixture(scope="session")
+def prefect_harness() -> Iterator[None]:
+    """One real (temporary) Prefect server for the whole session: entering it costs ~15 s."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path) -> Iterator[Store]:
+    store = Store(f"sqlite:///{tmp_path / 'medic.db'}")
+    yield store
+    store.close()
+
+
+@pytest.fixture(scope="session")
+def postgres_admin_url() -> str:
+    return POSTGRES_ADMIN_URL
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session, dropped afterwards."""
+    from sqlalchemy import create_engine, text
+
+    name = f"medic_test_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = POSTGRES_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    yield url
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
+def postgres_store(postgres_url: str) -> Iterator[Store]:
+    store = Store(postgres_url)
+    yield store
+    # Each test starts empty: truncate rather than recreate, it is much faster.
+    from sqlalchemy import text
+    from sqlmodel import SQLModel
+
+    with store.engine.begin() as conn:
+        tables = ", ".join(f'"{t.name}"' for t in SQLModel.metadata.sorted_tables)
+        conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY"))
+    store.close()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request: pytest.FixtureRequest) -> Store:
+    """Every store test runs on both databases."""
+    return request.getfixturevalue(f"{request.param}_store")
+
+
+@pytest.fixture
+def fleet() -> SimFleet:
+    return SimFleet.build(nodes=8)
+
+
+@pytest.fixture
+def sim_backends(fleet: SimFleet) -> Backends:
+    return registry.simulated(fleet)[0]
+
+
+@pytest.fixture
+def runtime(store: Store, sim_backends: Backends) -> Runtime:
+    return configure(Runtime(store, sim_backends, DEFAULT_POLICY))

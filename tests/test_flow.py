@@ -1,0 +1,223 @@
+"""The remediation flow, run for real on Prefect (test harness), on SQLite and PostgreSQL stores."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from uuid import UUID
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+from flows.dispatch import Dispatch, remediate_all
+from integrations.protocols import Message, NodeState
+from integrations.sim.fleet import SimFleet
+from integrations.sim.notifier import RecordingNotifier
+from medic.events import FaultEvent
+from medic.intake import Intake, read_lines
+from tasks.runtime import Runtime
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+T0 = datetime.now(UTC) - timedelta(minutes=5)
+
+
+def line(n: int, kind: str, node: str, seconds: float = 0, **fields: Any) -> str:
+    event = {
+        "id": f"ev-{node}-{n}",
+        "time": (T0 + timedelta(seconds=seconds)).isoformat(),
+        "source": "test",
+        "kind": kind,
+        "node": node,
+        **fields,
+    }
+    return FaultEvent.model_validate(event).model_dump_json()
+
+
+def run(rt: Runtime, lines: list[str]) -> Dispatch:
+    return asyncio.run(remediate_all(rt, read_lines(lines, "test.jsonl")))
+
+
+def node_calls(fleet: SimFleet, node: str) -> list[str]:
+    return [action for target, action in fleet.calls if target == node]
+
+
+@pytest.fixture
+def training(fleet: SimFleet) -> Iterator[SimFleet]:
+    fleet.add_job("llm", "alice", ["gpu-node-1", "gpu-node-2"], step=1_234, checkpoint_every=100)
+    fleet.crash_job("llm")
+    yield fleet
+
+
+def test_xid79_reboots_resumes_job_and_reintegrates(runtime: Runtime, training: SimFleet) -> None:
+    storm = [
+        line(i, "xid", "gpu-node-1", i * 0.1, gpu=3, job="llm", attributes={"code": 79}) for i in range(25)
+    ]
+    dispatch = run(runtime, storm)
+
+    assert len(dispatch.incidents) == 1 and not dispatch.failed
+    (outcome,) = dispatch.outcomes
+    assert (outcome.classification, outcome.action, outcome.rule) == (
+        "hardware",
+        "reboot",
+        "xid-fallen-off-bus",
+    )
+    assert outcome.resumed is not None
+    assert outcome.resumed.checkpoint_step == 1_200
+    assert outcome.resumed.resumed_step > 1_200
+    assert "gpu-node-1" not in outcome.resumed.nodes
+    assert outcome.verified is not None and outcome.verified.passed
+    assert node_calls(training, "gpu-node-1") == ["drain", "reboot", "diagnose-l1", "resume"]
+    assert training.nodes["gpu-node-1"].state is NodeState.IDLE
+
+    detail = runtime.store.incident_detail(outcome.incident)
+    assert detail is not None
+    assert detail.incident.status == "closed"
+    assert (detail.incident.owner, detail.incident.jobs) == ("alice", ["llm"])
+    assert len(detail.events) == 25
+    stages = [s.stage for s in detail.steps]
+    assert stages == ["triage", "decide", "act: reboot", "resume job", "verify L1", "notify", "close"]
+    assert {a.action: a.status for a in detail.actions} == {
+        "drain": "succeeded",
+        "reboot": "succeeded",
+        "resume": "succeeded",
+    }
+    assert all(d.policy_sha256 and d.rule == "xid-fallen-off-bus" for d in detail.decisions)
+
+
+def test_application_fault_leaves_node_alone_and_tells_owner(runtime: Runtime, training: SimFleet) -> None:
+    dispatch = run(
+        runtime,
+        [
+            line(1, "nan_loss", "gpu-node-2", job="llm", rank=1, iteration=1_234),
+            line(2, "job_crash", "gpu-node-2", 1, job="llm", rank=1, attributes={"exit_code": 1}),
+        ],
+    )
+    (outcome,) = dispatch.outcomes
+    assert (outcome.classification, outcome.action, outcome.act) == ("software", "none", "skipped")
+    assert node_calls(training, "gpu-node-2") == []
+    assert training.nodes["gpu-node-2"].state is NodeState.ALLOCATED
+    notifier = runtime.backends.notifier
+    assert isinstance(notifier, RecordingNotifier)
+    (thread,) = notifier.threads.values()
+    assert thread.message.fields["owner"] == "alice"
+    assert any("checkpoint" in r for r in thread.message.recommend)
+
+
+def test_same_fault_twice_acts_once(runtime: Runtime, training: SimFleet) -> None:
+    events = [line(1, "xid", "gpu-node-1", gpu=0, job="llm", attributes={"code": 79})]
+    run(runtime, events)
+    second = run(runtime, events)
+    assert second.incidents == [] and second.outcomes == []
+    assert node_calls(training, "gpu-node-1").count("reboot") == 1
+
+
+def test_straggler_climbs_to_level_2_and_replaces(runtime: Runtime, training: SimFleet) -> None:
+    training.script_diagnostic("gpu-node-2", 2, "fail", ("DCGM_FR_FAULTY_MEMORY",))
+    stragglers = [
+        line(i, "straggler", "gpu-node-2", i * 10, job="llm", attributes={"step_time_ratio": 1.4})
+        for i in range(3)
+    ]
+    (outcome,) = run(runtime, stragglers).outcomes
+    assert outcome.diagnostics == ["L2 fail (DCGM_FR_FAULTY_MEMORY)"]
+    assert (outcome.action, outcome.rule) == ("replace", "diag-isolate")
+    # Level 2 needs idle GPUs: the node was drained before the test ran.
+    assert node_calls(training, "gpu-node-2")[:3] == ["drain", "diagnose-l2", "replace"]
+    detail = runtime.store.incident_detail(outcome.incident)
+    assert detail is not None
+    assert [(d.level, d.result) for d in detail.diagnostics] == [(2, "fail"), (1, "pass")]
+    assert [d.rule for d in detail.decisions] == ["sustained-straggler", "diag-isolate"]
+    assert any(e.kind == "diagnostic" for e in detail.events)
+
+
+def test_failed_action_is_retried(runtime: Runtime, training: SimFleet) -> None:
+    training.fail_next("gpu-node-1", "reboot", times=1)
+    (outcome,) = run(runtime, [line(1, "xid", "gpu-node-1", job="llm", attributes={"code": 79})]).outcomes
+    assert outcome.act == "done"
+    assert node_calls(training, "gpu-node-1").count("reboot") == 2
+    detail = runtime.store.incident_detail(outcome.incident)
+    assert detail is not None
+    reboot = next(a for a in detail.actions if a.action == "reboot")
+    assert (reboot.status, reboot.attempts) == ("succeeded", 2)
+
+
+def test_action_failing_for_good_escalates(runtime: Runtime, training: SimFleet) -> None:
+    training.fail_next("gpu-node-1", "reboot", times=10)
+    (outcome,) = run(runtime, [line(1, "xid", "gpu-node-1", job="llm", attributes={"code": 79})]).outcomes
+    assert outcome.act == "escalated"
+    assert outcome.resumed is None and outcome.verified is None
+    record = runtime.store.get_incident(outcome.incident)
+    assert record is not None and record.status == "escalated"
+    # The node stays out of service for a human to look at.
+    assert training.nodes["gpu-node-1"].state is NodeState.DRAINED
+
+
+def test_unfinished_intent_is_not_repeated_blind(runtime: Runtime, training: SimFleet) -> None:
+    events = [line(1, "xid", "gpu-node-1", job="llm", attributes={"code": 79})]
+    intake = read_lines(events, "x.jsonl")
+    incident_id = _incident_id(intake)
+    # A previous process claimed the reboot and died before reporting back.
+    runtime.store.claim_action(f"{incident_id}:gpu-node-1:reboot", incident_id, "gpu-node-1", "reboot")
+    (outcome,) = asyncio.run(remediate_all(runtime, intake)).outcomes
+    assert outcome.act == "escalated"
+    assert "reboot" not in node_calls(training, "gpu-node-1")
+
+
+def _incident_id(intake: Intake) -> str:
+    from medic.incidents import correlate
+
+    return correlate(intake.events)[0].id
+
+
+def test_notification_outage_does_not_stop_remediation(runtime: Runtime, training: SimFleet) -> None:
+    class Down:
+        def post(self, message: Message) -> str:
+            raise ConnectionError("slack is down")
+
+        def reply(self, thread: str, text: str) -> None:
+            raise ConnectionError("slack is down")
+
+    runtime.backends.notifier = Down()
+    (outcome,) = run(runtime, [line(1, "xid", "gpu-node-1", job="llm", attributes={"code": 48})]).outcomes
+    assert (outcome.action, outcome.act, outcome.notified) == ("reset_gpu", "done", False)
+    detail = runtime.store.incident_detail(outcome.incident)
+    assert detail is not None and detail.incident.status == "closed"
+    assert [s.status for s in detail.steps if s.stage == "notify"] == ["failed"] * 4  # 1 try + 3 retries
+
+
+def test_bad_lines_are_kept_and_the_rest_runs(runtime: Runtime, training: SimFleet) -> None:
+    dispatch = run(runtime, ["{nope", line(1, "xid", "gpu-node-1", job="llm", attributes={"code": 79}), "[]"])
+    assert dispatch.rejected == 2
+    assert [r.origin for r in runtime.store.rejections()] == ["test.jsonl:1", "test.jsonl:3"]
+    assert len(dispatch.outcomes) == 1
+
+
+def test_run_history_reads_as_an_audit(runtime: Runtime, training: SimFleet) -> None:
+    (outcome,) = run(
+        runtime, [line(1, "xid", "gpu-node-1", job="llm", gpu=2, attributes={"code": 79})]
+    ).outcomes
+    record = runtime.store.get_incident(outcome.incident)
+    assert record is not None and record.flow_run_id is not None
+    assert record.flow_run_name == f"{outcome.incident}-gpu-node-1"
+
+    async def read_back() -> tuple[Any, list[Any]]:
+        async with get_client() as client:
+            flow_run = await client.read_flow_run(UUID(record.flow_run_id))
+            artifacts = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+            )
+            return flow_run, artifacts
+
+    flow_run, artifacts = asyncio.run(read_back())
+    assert flow_run.name == record.flow_run_name
+    assert flow_run.state.is_completed()
+    assert {"node:gpu-node-1", "job:llm", "owner:alice", "classification:hardware", "action:reboot"} <= set(
+        flow_run.tags
+    )
+    (artifact,) = artifacts
+    assert artifact.key == outcome.incident and artifact.type == "markdown"
+    for heading in ("## Evidence", "## Decisions", "## Actions", "## Stages", "xid-fallen-off-bus"):
+        assert heading in artifact.data

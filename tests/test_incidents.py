@@ -1,0 +1,235 @@
+"""Grouping events into incidents by node within a time window (medic/incidents.py)."""
+
+from __future__ import annotations
+
+import random
+import re
+from datetime import UTC, datetime, timedelta, timezone
+from itertools import pairwise
+from typing import Any
+
+import pytest
+
+from medic.events import FaultEvent
+from medic.incidents import DEFAULT_WINDOW, Incident, correlate, incident_id
+from medic.policy.model import Defaults
+
+T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
+WINDOW = timedelta(minutes=10)
+
+
+def ev(
+    event_id: str, minutes: float = 0, node: str = "gpu-017", kind: str = "xid", **fields: Any
+) -> FaultEvent:
+    attributes = {"xid": {"code": 79}, "remediation": {"action": "drain"}}.get(kind, {})
+    return FaultEvent(
+        id=event_id,
+        time=T0 + timedelta(minutes=minutes),
+        source="agent",
+        kind=kind,
+        node=node,
+        attributes=attributes,
+        **fields,
+    )
+
+
+def shape(incidents: list[Incident]) -> list[tuple[str, str, list[str], list[str]]]:
+    return [(i.id, i.node, [e.id for e in i.events], [h.id for h in i.history]) for i in incidents]
+
+
+def test_no_events_no_incidents() -> None:
+    assert correlate([]) == []
+
+
+def test_default_window_matches_the_policy_default() -> None:
+    assert DEFAULT_WINDOW == timedelta(minutes=Defaults().incident_window_minutes) == timedelta(minutes=10)
+
+
+def test_a_storm_on_one_node_is_one_incident() -> None:
+    storm = [
+        ev(f"ev-{n:03}", minutes=n * 9 / 200, kind=("xid", "ecc", "nccl_timeout")[n % 3]) for n in range(200)
+    ]
+    incidents = correlate(storm, WINDOW)
+    assert len(incidents) == 1
+    (incident,) = incidents
+    assert incident.node == "gpu-017"
+    assert len(incident.events) == 200
+    assert incident.opened_at == T0
+    assert incident.last_at == storm[-1].time
+    assert incident.id == incident_id("gpu-017", "ev-000")
+
+
+def test_the_window_is_measured_from_the_last_event() -> None:
+    # Every event is within the window of the previous one, so the burst never closes.
+    chain = [ev(f"ev-{n}", minutes=n * 9) for n in range(10)]
+    (incident,) = correlate(chain, WINDOW)
+    assert incident.last_at - incident.opened_at == timedelta(minutes=81)
+
+
+def test_events_further_apart_than_the_window_are_two_incidents() -> None:
+    events = [ev("a1", 0), ev("a2", 5), ev("b1", 15.01), ev("b2", 16)]
+    first, second = correlate(events, WINDOW)
+    assert [e.id for e in first.events] == ["a1", "a2"]
+    assert [e.id for e in second.events] == ["b1", "b2"]
+    assert first.id != second.id
+    assert first.node == second.node == "gpu-017"
+
+
+def test_an_event_exactly_one_window_later_joins() -> None:
+    assert len(correlate([ev("a", 0), ev("b", 10)], WINDOW)) == 1
+    assert len(correlate([ev("a", 0), ev("b", 10.001)], WINDOW)) == 2
+
+
+def test_the_window_is_a_parameter() -> None:
+    events = [ev("a", 0), ev("b", 20)]
+    assert len(correlate(events, timedelta(minutes=10))) == 2
+    assert len(correlate(events, timedelta(minutes=30))) == 1
+    assert len(correlate(events)) == 2  # default 10 minutes
+
+
+def test_different_nodes_are_different_incidents() -> None:
+    events = [ev("a1", 0, node="gpu-001"), ev("b1", 0, node="gpu-002"), ev("a2", 1, node="gpu-001")]
+    incidents = correlate(events, WINDOW)
+    assert [(i.node, [e.id for e in i.events]) for i in incidents] == [
+        ("gpu-001", ["a1", "a2"]),
+        ("gpu-002", ["b1"]),
+    ]
+    assert incidents[0].id != incidents[1].id
+    for incident in incidents:
+        assert incident.nodes == [incident.node]
+
+
+def test_interleaved_storms_on_many_nodes() -> None:
+    events = [ev(f"{node}-{n}", n * 0.1, node=node) for n in range(50) for node in ("n1", "n2", "n3")]
+    incidents = correlate(events, WINDOW)
+    assert sorted(i.node for i in incidents) == ["n1", "n2", "n3"]
+    assert all(len(i.events) == 50 for i in incidents)
+    assert all({e.node for e in i.events} == {i.node} for i in incidents)
+
+
+def test_incidents_come_oldest_first_and_events_in_time_order() -> None:
+    events = [ev("late", 30, node="n1"), ev("early2", 1, node="n2"), ev("early1", 0, node="n2")]
+    incidents = correlate(events, WINDOW)
+    assert [(i.node, [e.id for e in i.events]) for i in incidents] == [
+        ("n2", ["early1", "early2"]),
+        ("n1", ["late"]),
+    ]
+
+
+def test_utc_offsets_are_compared_as_instants() -> None:
+    plus_two = timezone(timedelta(hours=2))
+    early = FaultEvent(id="b", time=T0.astimezone(plus_two), source="s", kind="nan_loss", node="n")
+    late = FaultEvent(id="a", time=T0 + timedelta(minutes=5), source="s", kind="nan_loss", node="n")
+    (incident,) = correlate([late, early], WINDOW)
+    assert [e.id for e in incident.events] == ["b", "a"]
+
+
+def test_incident_ids_are_stable_across_replays() -> None:
+    events = [ev("a", 0), ev("b", 30), ev("c", 1, node="other")]
+    first = shape(correlate(events, WINDOW))
+    assert shape(correlate(events, WINDOW)) == first
+    assert shape(correlate(list(events), WINDOW)) == first
+    assert [i.id for i in correlate(events, WINDOW)] == [
+        incident_id("gpu-017", "a"),
+        incident_id("other", "c"),
+        incident_id("gpu-017", "b"),
+    ]
+
+
+def test_incident_ids_do_not_depend_on_input_order() -> None:
+    events = [
+        *(ev(f"s{n}", n * 0.5) for n in range(30)),
+        *(ev(f"t{n}", 40 + n) for n in range(5)),
+        *(ev(f"o{n}", n, node="gpu-002") for n in range(5)),
+        ev("fix", 20, kind="remediation"),
+        ev("tie-b", 100, node="gpu-003"),
+        ev("tie-a", 100, node="gpu-003"),  # same instant: ordered by id
+    ]
+    expected = shape(correlate(events, WINDOW))
+    rng = random.Random(7)
+    for _ in range(20):
+        shuffled = events[:]
+        rng.shuffle(shuffled)
+        assert shape(correlate(iter(shuffled), WINDOW)) == expected
+    assert [i.id for i in correlate(events, WINDOW)][-1] == incident_id("gpu-003", "tie-a")
+
+
+def test_incident_id_format_and_inputs() -> None:
+    value = incident_id("gpu-017", "ev-1")
+    assert re.fullmatch(r"inc-[0-9a-f]{10}", value)
+    assert incident_id("gpu-017", "ev-1") == value
+    assert incident_id("gpu-018", "ev-1") != value
+    assert incident_id("gpu-017", "ev-2") != value
+    # The separator keeps node/id pairs that concatenate alike apart.
+    assert incident_id("gpu-01", "7ev-1") != incident_id("gpu-017", "ev-1")
+
+
+def test_remediation_events_alone_open_nothing() -> None:
+    assert correlate([ev("r1", 0, kind="remediation"), ev("r2", 1, kind="remediation")], WINDOW) == []
+
+
+def test_remediation_is_history_of_that_nodes_incident() -> None:
+    events = [
+        ev("drain-1", 0, kind="remediation"),
+        ev("x1", 5),
+        ev("drain-other", 1, node="gpu-099", kind="remediation"),
+        ev("x2", 6),
+    ]
+    (incident,) = correlate(events, WINDOW)
+    assert [e.id for e in incident.events] == ["x1", "x2"]
+    assert [h.id for h in incident.history] == ["drain-1"]
+    assert all(e.kind != "remediation" for e in incident.events)
+
+
+def test_remediation_does_not_extend_the_window() -> None:
+    events = [ev("x1", 0), ev("reboot", 8, kind="remediation"), ev("x2", 15)]
+    first, second = correlate(events, WINDOW)
+    assert [e.id for e in first.events] == ["x1"]
+    assert [e.id for e in second.events] == ["x2"]
+    assert first.history == []  # the reboot came after x1, the last event of the first incident
+    assert [h.id for h in second.history] == ["reboot"]
+
+
+def test_history_accumulates_over_a_nodes_incidents() -> None:
+    events = [
+        ev("r1", 0, kind="remediation"),
+        ev("x1", 1),
+        ev("r2", 2, kind="remediation"),
+        ev("x2", 3),
+        ev("r3", 60, kind="remediation"),
+        ev("x3", 90),
+        ev("r4", 200, kind="remediation"),
+    ]
+    first, second = correlate(events, WINDOW)
+    assert [h.id for h in first.history] == ["r1", "r2"]
+    assert [h.id for h in second.history] == ["r1", "r2", "r3"]
+    assert first.id == incident_id("gpu-017", "x1")  # a remediation is never the first event
+
+
+def test_incident_summaries() -> None:
+    events = [
+        ev("a", 0, job="48213", switch="leaf-04"),
+        ev("b", 1, job="48000"),
+        ev("c", 2, job="48213"),
+        ev("d", 3),
+    ]
+    (incident,) = correlate(events, WINDOW)
+    assert incident.jobs == ["48000", "48213"]
+    assert incident.switch == "leaf-04"
+    assert incident.nodes == ["gpu-017"]
+    assert (incident.opened_at, incident.last_at) == (T0, T0 + timedelta(minutes=3))
+
+
+def test_switch_is_none_when_no_event_names_one() -> None:
+    (incident,) = correlate([ev("a", 0)], WINDOW)
+    assert incident.switch is None
+    assert incident.jobs == []
+
+
+@pytest.mark.parametrize("window_minutes", [1, 10, 60])
+def test_storm_with_gaps_splits_exactly_at_gaps_larger_than_the_window(window_minutes: int) -> None:
+    window = timedelta(minutes=window_minutes)
+    offsets = [0, 0.5, 0.9, 5, 5.5, 30, 31, 200]
+    events = [ev(f"e{n}", minutes) for n, minutes in enumerate(offsets)]
+    expected = 1 + sum(1 for a, b in pairwise(offsets) if b - a > window_minutes)
+    assert len(correlate(events, window)) == expected
