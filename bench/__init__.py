@@ -1,0 +1,5 @@
+"""Benchmarks for GPU Medic: `python -m bench` runs them all and writes BENCHMARKS.md.
+
+One module per benchmark (policy, triage, flow_overhead), each with `run()` (measure, return
+results) and `section(results)` (its markdown); report.py holds the statistics and the layout.
+"""

@@ -68,7 +68,9 @@ def cpu_model() -> str:
 def machine_line(cores: int) -> str:
     python = f"Python {platform.python_version()} ({platform.python_implementation()})"
     date = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    return f"{cores} cores (`nproc`), {cpu_model()}, {python}, {platform.system()} {platform.release()}, {date}"
+    return (
+        f"{cores} cores (`nproc`), {cpu_model()}, {python}, {platform.system()} {platform.release()}, {date}"
+    )
 
 
 def document(command: str, machine: str, total_s: float, sections: Sequence[str]) -> str:
@@ -79,7 +81,8 @@ def document(command: str, machine: str, total_s: float, sections: Sequence[str]
         "Prefect flow costs per incident over calling the same task functions directly. Every figure is",
         "measured with repeats; tables give the median and the spread (min-max, p95 where there are",
         "enough samples). Numbers are from one run on the machine below; compare runs only on the same",
-        "machine.",
+        "machine. The machine may be shared: the load average is recorded with it, and a wide",
+        "min - max spread is the sign of other work running at the same time.",
         "",
         f"**Machine:** {machine}",
         "",
@@ -100,4 +103,5 @@ def document(command: str, machine: str, total_s: float, sections: Sequence[str]
         f"Interpreter: `{sys.executable}`.",
         "",
     ]
-    return "\n".join(intro) + "\n" + "\n\n".join(s.rstrip() + "\n" for s in sections) + "\n" + "\n".join(reproduce)
+    body = "\n".join(s.rstrip() + "\n" for s in sections)
+    return "\n".join(intro) + "\n" + body + "\n" + "\n".join(reproduce)

@@ -22,7 +22,7 @@ from medic.policy.model import DESTRUCTIVE
 from tasks.act import ActOutcome, act
 from tasks.close import close
 from tasks.decide import decide_incident
-from tasks.diagnose import diagnose
+from tasks.diagnose import LEVEL_BUDGET_S, diagnose
 from tasks.notify import notify
 from tasks.resume import ResumeOutcome, resume_job
 from tasks.runtime import current
@@ -108,7 +108,10 @@ async def _ladder(triaged: Triage, decision: Decision) -> tuple[Decision, list[s
     for _ in range(MAX_LADDER_STEPS):
         if decision.action is not Action.DIAGNOSE or decision.diagnose_level is None:
             break
-        result = diagnose(triaged.incident, triaged.node, decision.diagnose_level)
+        level = decision.diagnose_level
+        # Each level has its own hard budget: a hung DCGM run must not hold the incident forever.
+        budgeted = diagnose.with_options(timeout_seconds=LEVEL_BUDGET_S[level] + 60)
+        result = budgeted(triaged.incident, triaged.node, level)
         seen.append(
             f"L{result.level} {result.result}"
             + (f" ({', '.join(result.error_ids)})" if result.error_ids else "")

@@ -7,7 +7,7 @@ from pydantic import BaseModel
 
 from medic.events import FaultEvent
 from medic.store import utcnow
-from medic.store.tables import DiagnosticRecord
+from tasks.evidence import record_diagnostic
 from tasks.node_ops import ensure_drained
 from tasks.runtime import current
 from tasks.stage import stage
@@ -32,19 +32,8 @@ def diagnose(incident_id: str, node: str, level: int) -> DiagnosticOutcome:
             # Levels 2-4 stress the GPUs: nothing else may run on them.
             drained = ensure_drained(rt, incident_id, node, f"DCGM level {level}")
         result = rt.backends.diagnostics.run(node, level, timeout_s=LEVEL_BUDGET_S[level])
-        started, finished = result.started_at or utcnow(), result.finished_at or utcnow()
-        rt.store.add_diagnostic(
-            DiagnosticRecord(
-                incident_id=incident_id,
-                node=node,
-                level=level,
-                result=result.result,
-                error_ids=list(result.error_ids),
-                started_at=started,
-                finished_at=finished,
-                detail=result.detail,
-            )
-        )
+        record_diagnostic(rt, incident_id, result)
+        finished = result.finished_at or utcnow()
         if result.result in ("pass", "fail"):
             rt.store.add_event(
                 FaultEvent(

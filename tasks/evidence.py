@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from integrations.protocols import DiagnosticResult
 from medic.facts import HISTORY_WINDOW, facts_of
 from medic.incidents import Incident
 from medic.policy import Decision, decide
 from medic.store import utcnow
+from medic.store.tables import DiagnosticRecord
 from tasks.runtime import Runtime
 
 
@@ -22,6 +24,21 @@ def load_incident(rt: Runtime, incident_id: str) -> Incident:
         h for h in rt.store.node_history(record.node, since) if h.attributes.get("incident") != incident_id
     ]
     return incident
+
+
+def record_diagnostic(rt: Runtime, incident_id: str, result: DiagnosticResult, note: str = "") -> None:
+    rt.store.add_diagnostic(
+        DiagnosticRecord(
+            incident_id=incident_id,
+            node=result.node,
+            level=result.level,
+            result=result.result,
+            error_ids=list(result.error_ids),
+            started_at=result.started_at or utcnow(),
+            finished_at=result.finished_at or utcnow(),
+            detail=f"{note}{result.detail}",
+        )
+    )
 
 
 def evaluate(rt: Runtime, incident_id: str) -> Decision:

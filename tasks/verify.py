@@ -5,8 +5,7 @@ from __future__ import annotations
 from prefect import task
 from pydantic import BaseModel
 
-from medic.store import utcnow
-from medic.store.tables import DiagnosticRecord
+from tasks.evidence import record_diagnostic
 from tasks.node_ops import resume_node
 from tasks.runtime import current
 from tasks.stage import stage
@@ -25,18 +24,7 @@ def verify(incident_id: str, node: str, level: int, ready_timeout_s: float = 180
             outcome = VerifyOutcome(passed=False, detail=f"{node} did not come back; kept out of service")
         else:
             result = rt.backends.diagnostics.run(node, level, timeout_s=600)
-            rt.store.add_diagnostic(
-                DiagnosticRecord(
-                    incident_id=incident_id,
-                    node=node,
-                    level=level,
-                    result=result.result,
-                    error_ids=list(result.error_ids),
-                    started_at=result.started_at or utcnow(),
-                    finished_at=result.finished_at or utcnow(),
-                    detail=f"verification: {result.detail}",
-                )
-            )
+            record_diagnostic(rt, incident_id, result, note="verification: ")
             if result.result == "pass":
                 outcome = VerifyOutcome(
                     passed=True, detail=f"DCGM level {level} passed; {resume_node(rt, incident_id, node)}"

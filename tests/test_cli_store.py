@@ -19,6 +19,23 @@ from medic.store import Store
 
 runner = CliRunner()
 POLICY_SHA = "0123456789abcdef" * 4
+INCIDENT_KEYS = {
+    "id",
+    "node",
+    "switch",
+    "opened_at",
+    "last_event_at",
+    "closed_at",
+    "status",
+    "jobs",
+    "owner",
+    "classification",
+    "action",
+    "rule",
+    "outcome",
+    "flow_run_id",
+    "flow_run_name",
+}
 
 
 @dataclass(frozen=True)
@@ -107,6 +124,7 @@ def test_all_incidents_newest_first(seeded: Seeded) -> None:
 
 def test_json_rows(seeded: Seeded) -> None:
     rows = {row["id"]: row for row in listed()}
+    assert all(set(row) == INCIDENT_KEYS for row in rows.values())  # as listed in docs/cli.md
     bus = rows[seeded.bus.id]
     assert bus["node"] == "gpu-001"
     assert bus["status"] == "closed"

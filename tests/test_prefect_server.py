@@ -92,7 +92,7 @@ def prefect_server(
 
 
 def test_ingest_against_prefect_server_on_postgres(
-    prefect_server: dict[str, str], postgres_url: str, tmp_path: Path
+    prefect_server: dict[str, str], postgres_store: Store, tmp_path: Path
 ) -> None:
     now = datetime.now(UTC).isoformat()
     events = tmp_path / "events.jsonl"
@@ -113,14 +113,14 @@ def test_ingest_against_prefect_server_on_postgres(
         )
         + "\nnot json\n"
     )
-    env = {**prefect_server, "MEDIC_DATABASE_URL": postgres_url, "MEDIC_HOME": str(tmp_path / "home")}
+    env = {**prefect_server, "MEDIC_DATABASE_URL": postgres_store.url, "MEDIC_HOME": str(tmp_path / "home")}
     done = subprocess.run(
         [str(BIN / "medic"), "ingest", str(events)], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "events.jsonl:4" in done.stderr  # the bad line is named and the rest went on
 
-    store = Store(postgres_url)
+    store = postgres_store
     (incident,) = store.find_incidents(node="gpu-node-4")
     assert (incident.status, incident.action) == ("closed", "reset_gpu")
     assert incident.flow_run_name == f"{incident.id}-gpu-node-4"

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from medic.cli import render
@@ -49,7 +50,7 @@ def _policy(path: Path | None) -> LoadedPolicy:
 
 def _report_rejections(intake_rejected: list, duplicates: list[str]) -> None:  # type: ignore[type-arg]
     for rejection in intake_rejected:
-        err.print(f"[yellow]rejected[/yellow] {rejection}")
+        err.print(f"[yellow]rejected[/yellow] {escape(str(rejection))}")
     if duplicates:
         err.print(f"[dim]ignored {len(duplicates)} repeated event ids[/dim]")
 

@@ -1,0 +1,52 @@
+"""`python -m bench`: run every benchmark, one at a time, and write BENCHMARKS.md at the repo root."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench import flow_overhead, policy, report, triage
+from medic.config import REPO_ROOT
+
+COMMAND = ".venv/bin/python -m bench"
+BENCHMARKS: list[tuple[str, Callable[[], dict[str, Any]], Callable[[dict[str, Any]], str]]] = [
+    ("policy decisions", policy.run, policy.section),
+    ("medic triage", triage.run, triage.section),
+    ("flow overhead", flow_overhead.run, flow_overhead.section),
+]
+
+
+def _load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"{one:.2f}/{five:.2f}"
+
+
+def main() -> int:
+    started = time.perf_counter()
+    cores = os.cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))  # what `nproc` prints
+    load_before = _load()
+    sections = []
+    for name, run, section in BENCHMARKS:
+        print(f"bench: {name} ...", file=sys.stderr, flush=True)
+        began = time.perf_counter()
+        results = run()
+        sections.append(section(results))
+        print(f"bench: {name} done in {time.perf_counter() - began:.0f} s", file=sys.stderr, flush=True)
+    total = time.perf_counter() - started
+    machine = (
+        report.machine_line(cores) + f"; load average (1/5 min) {load_before} at start, {_load()} at end"
+    )
+    text = report.document(COMMAND, machine, total, sections)
+    target = REPO_ROOT / "BENCHMARKS.md"
+    target.write_text(text, encoding="utf-8")
+    print(f"bench: wrote {target} in {total:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""`medic demo` end to end: the real flows on Prefect, a simulated fleet, a SQLite store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from medic.cli.app import app
+from medic.store import Store
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+def test_demo_remediates_hardware_and_leaves_application_faults_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MEDIC_HOME", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "200")
+    result = CliRunner().invoke(app, ["demo"])
+    assert result.exit_code == 0, result.output
+
+    store = Store(f"sqlite:///{tmp_path / 'demo.db'}")
+    incidents = {i.node: i for i in store.find_incidents()}
+    assert {n: (i.classification, i.action, i.status) for n, i in incidents.items()} == {
+        "gpu-node-3": ("hardware", "reboot", "closed"),
+        "gpu-node-5": ("software", "none", "closed"),
+        "gpu-node-2": ("hardware", "replace", "closed"),
+        "gpu-node-6": ("hardware", "reset_gpu", "closed"),
+    }
+    # The malformed lines were kept, not lost, and did not stop the rest.
+    assert len(store.rejections()) == 2
+    # The application fault touched nothing on its node.
+    software = store.incident_detail(incidents["gpu-node-5"].id)
+    assert software is not None and software.actions == []
+    # The XID 79 storm was one incident whose job resumed from its checkpoint.
+    reboot = store.incident_detail(incidents["gpu-node-3"].id)
+    assert reboot is not None and len(reboot.events) == 6
+    resume = next(s for s in reboot.steps if s.stage == "resume job")
+    assert resume.detail is not None and resume.detail["checkpoint_step"] == 12_000
+    assert "resumed from step 12000" in result.output
+    assert "L2 fail (DCGM_FR_FAULTY_MEMORY)" in result.output
+    assert "Slack → #gpu-ops" in result.output
