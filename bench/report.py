@@ -92,6 +92,8 @@ def document(command: str, machine: str, total_s: float, sections: Sequence[str]
     reproduce = [
         "## Reproduce",
         "",
+        "From the repository root:",
+        "",
         "```sh",
         command,
         "```",

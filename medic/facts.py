@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from medic import dcgm_errors
+from medic.context import EMPTY, Context
 from medic.dcgm_errors import Severity
-from medic.events import EventKind
+from medic.events import EventKind, FaultEvent
 from medic.incidents import Incident
 
 HISTORY_WINDOW = timedelta(days=7)
@@ -45,6 +46,11 @@ class Facts:
     diagnostics: tuple[DiagnosticFact, ...]  # in the order they ran
     out_of_service: bool
     recent_remediations: int  # our actions on this node in the last 7 days
+    events: tuple[FaultEvent, ...]
+    switch: str | None
+    dcgm_categories: frozenset[str]
+    now: datetime
+    context: Context
 
     @property
     def latest_diagnostic(self) -> DiagnosticFact | None:
@@ -61,14 +67,16 @@ def _worst(severities: Iterable[Severity]) -> Severity | None:
     return max(found, key=order.index) if found else None
 
 
-def _dcgm_names(errors: Iterable[int | str]) -> tuple[tuple[str, ...], list[Severity]]:
+def _dcgm_names(errors: Iterable[int | str]) -> tuple[tuple[str, ...], list[Severity], list[str]]:
     names: list[str] = []
     severities: list[Severity] = []
+    categories: list[str] = []
     for raw in errors:
         known = dcgm_errors.lookup(raw)
         names.append(known.name if known else str(raw))
         severities.append(known.severity if known else Severity.UNKNOWN)
-    return tuple(names), severities
+        categories.append(known.category if known else "UNKNOWN")
+    return tuple(names), severities, categories
 
 
 def facts_of(
@@ -76,12 +84,15 @@ def facts_of(
     *,
     out_of_service: bool = False,
     now: datetime | None = None,
+    context: Context = EMPTY,
 ) -> Facts:
-    """Distil an incident. `now` bounds the history window (defaults to the incident's last event)."""
+    """Distil an incident. `now` ends every time window (defaults to the incident's last event);
+    `context` holds recent events from the rest of the cluster for cross-node conditions."""
     now = now or incident.last_at
     xids: set[int] = set()
     dcgm_names: set[str] = set()
     dcgm_severities: set[Severity] = set()
+    dcgm_categories: set[str] = set()
     dbe = sbe = stragglers = 0
     straggler_max = 0.0
     diagnostics: list[DiagnosticFact] = []
@@ -91,9 +102,10 @@ def facts_of(
             case EventKind.XID:
                 xids.add(int(attrs["code"]))
             case EventKind.DCGM_HEALTH:
-                names, severities = _dcgm_names([attrs["error_id"]])
+                names, severities, categories = _dcgm_names([attrs["error_id"]])
                 dcgm_names.update(names)
                 dcgm_severities.update(severities)
+                dcgm_categories.update(categories)
             case EventKind.ECC:
                 dbe += int(attrs.get("dbe", 0))
                 sbe += int(attrs.get("sbe", 0))
@@ -101,7 +113,7 @@ def facts_of(
                 stragglers += 1
                 straggler_max = max(straggler_max, float(attrs["step_time_ratio"]))
             case EventKind.DIAGNOSTIC:
-                names, severities = _dcgm_names(attrs.get("error_ids", []))
+                names, severities, _ = _dcgm_names(attrs.get("error_ids", []))
                 diagnostics.append(
                     DiagnosticFact(int(attrs["level"]), attrs["result"], names, _worst(severities))
                 )
@@ -124,4 +136,9 @@ def facts_of(
         diagnostics=tuple(diagnostics),
         out_of_service=out_of_service,
         recent_remediations=len(recent),
+        events=tuple(incident.events),
+        switch=incident.switch,
+        dcgm_categories=frozenset(dcgm_categories),
+        now=now,
+        context=context,
     )

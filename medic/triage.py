@@ -6,16 +6,19 @@ The JSON form of `TriageLine` is a public contract (docs/triage.md); tests pin i
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from datetime import timedelta
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from medic.context import Context
 from medic.events import FaultEvent
 from medic.facts import facts_of
 from medic.incidents import Incident, correlate
-from medic.policy import LoadedPolicy, decide
-from medic.policy.model import Decision
+from medic.policy import LoadedPolicy, decide, guardrails
+from medic.policy.guardrails import FleetState, takes_node_out
+from medic.policy.model import DESTRUCTIVE, Action, Decision
 
 
 class TriageLine(BaseModel):
@@ -42,7 +45,59 @@ def triage_line(incident: Incident, decision: Decision) -> TriageLine:
     )
 
 
-def triage(events: Iterable[FaultEvent], loaded: LoadedPolicy) -> Iterator[tuple[Incident, Decision]]:
-    window = timedelta(minutes=loaded.policy.defaults.incident_window_minutes)
+@dataclass(slots=True)
+class _ReplayedFleet:
+    """The fleet as the decisions so far would have left it: what the guardrails look at."""
+
+    fleet_size: int | None
+    out_of_service: set[str] = field(default_factory=set)
+    destructive_at: list[datetime] = field(default_factory=list)
+    last_destructive: dict[str, datetime] = field(default_factory=dict)
+    taken_out_at: dict[str, datetime] = field(default_factory=dict)
+    breaker_open: bool = False
+
+    def state(self, now: datetime) -> FleetState:
+        return FleetState(
+            now=now,
+            fleet_size=self.fleet_size,
+            out_of_service=frozenset(self.out_of_service),
+            destructive_at=tuple(self.destructive_at),
+            last_destructive=dict(self.last_destructive),
+            taken_out_at=dict(self.taken_out_at),
+            breaker_open=self.breaker_open,
+        )
+
+    def record(self, node: str, now: datetime, decision: Decision) -> None:
+        if decision.guardrail == "circuit_breaker":
+            self.breaker_open = True
+        if decision.action is Action.REINTEGRATE:
+            self.out_of_service.discard(node)
+        elif takes_node_out(decision):
+            self.out_of_service.add(node)
+            self.taken_out_at.setdefault(node, now)
+        if decision.action in DESTRUCTIVE:
+            self.destructive_at.append(now)
+            self.last_destructive[node] = now
+
+
+def triage(
+    events: Iterable[FaultEvent], loaded: LoadedPolicy, fleet_size: int | None = None
+) -> Iterator[tuple[Incident, Decision]]:
+    """Decide on each incident in time order, as the flows would, without acting.
+
+    Cross-node conditions see every event of the input; guardrails see the fleet as the earlier
+    decisions would have left it. Without `fleet_size` only the count limits apply.
+    """
+    events = list(events)
+    policy = loaded.policy
+    context = Context(events, fleet_size=fleet_size)
+    fleet = _ReplayedFleet(fleet_size)
+    window = timedelta(minutes=policy.defaults.incident_window_minutes)
     for incident in correlate(events, window):
-        yield incident, decide(loaded.policy, facts_of(incident), loaded.sha256)
+        now = incident.last_at
+        facts = facts_of(incident, out_of_service=incident.node in fleet.out_of_service, context=context)
+        decision = guardrails.apply(
+            policy.guardrails, fleet.state(now), incident.node, decide(policy, facts, loaded.sha256)
+        )
+        fleet.record(incident.node, now, decision)
+        yield incident, decision

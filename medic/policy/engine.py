@@ -11,10 +11,23 @@ so the next decision is made on the diagnostic result instead of asking for the 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
 
+from medic.events import EventKind, FaultEvent
 from medic.facts import Facts
-from medic.policy.model import ACTION_RANK, Action, Decision, Policy, Rule, When
+from medic.policy.model import (
+    ACTION_RANK,
+    Action,
+    CountCondition,
+    Decision,
+    Policy,
+    Rule,
+    Signature,
+    When,
+)
 
 MAX_LEVEL = 4
 
@@ -97,12 +110,92 @@ def _min_events(when: When, f: Facts) -> str | None:
     return f"{f.event_count} events" if f.event_count >= (when.min_events or 0) else None
 
 
+def _dcgm_category(when: When, f: Facts) -> str | None:
+    hit = sorted(f.dcgm_categories.intersection(when.dcgm_category or ()))
+    return f"DCGM health category {', '.join(hit)}" if hit else None
+
+
+def _has_signature(sig: Signature, event: FaultEvent) -> bool:
+    if event.kind is EventKind.XID and sig.xid:
+        return event.attributes["code"] in sig.xid
+    return event.kind in (sig.kinds or ())
+
+
+def _one_count(cond: CountCondition, f: Facts) -> str | None:
+    anchors = [e for e in f.events if _has_signature(cond, e)]
+    if not anchors:
+        return None
+    start = f.now - timedelta(minutes=cond.within_minutes)
+    pool = {e.id: e for e in f.context.window(cond.event_kinds(), start, f.now) if _has_signature(cond, e)}
+    pool.update((e.id, e) for e in anchors if start <= e.time <= f.now)
+    found = list(pool.values())
+    if cond.scope == "gpu":
+        gpus = {(e.node, e.gpu) for e in anchors if e.gpu is not None}
+        found = [e for e in found if (e.node, e.gpu) in gpus]
+    elif cond.scope == "node":
+        found = [e for e in found if e.node == f.node]
+    elif cond.scope == "job":
+        jobs = {e.job for e in anchors if e.job}
+        found = [e for e in found if e.job in jobs]
+    if cond.same_iteration_rank:
+        marks = {(e.iteration, e.rank) for e in anchors if e.iteration is not None and e.rank is not None}
+        found = [e for e in found if (e.iteration, e.rank) in marks]
+    if cond.distinct == "events":
+        n = len(found)
+    elif cond.distinct == "episodes":
+        gap = timedelta(minutes=cond.episode_gap_minutes)
+        times = sorted(e.time for e in found)
+        n = sum(1 for i, t in enumerate(times) if i == 0 or t - times[i - 1] > gap)
+    elif cond.distinct == "nodes":
+        n = len({e.node for e in found})
+    elif cond.distinct == "jobs":
+        n = len({e.job for e in found if e.job})
+    else:
+        n = len({(e.node, e.gpu) for e in found if e.gpu is not None})
+    if n < cond.at_least:
+        return None
+    where = {"gpu": "on this GPU", "node": "on this node", "job": "in this job", "cluster": "in the cluster"}
+    same = " at the same iteration and rank" if cond.same_iteration_rank else ""
+    return f"{n} {cond.distinct} with {cond.describe()}{same} {where[cond.scope]} within {cond.within_minutes} min"
+
+
+def _count(when: When, f: Facts) -> str | None:
+    reasons = []
+    for cond in when.count or ():
+        reason = _one_count(cond, f)
+        if reason is None:
+            return None
+        reasons.append(reason)
+    return "; ".join(reasons)
+
+
+def _switch(when: When, f: Facts) -> str | None:
+    cond = when.switch
+    assert cond is not None
+    if f.switch is None:
+        return None
+    start = f.now - timedelta(minutes=cond.within_minutes)
+    own = {e.node for e in f.events if e.kind in cond.kinds and start <= e.time <= f.now}
+    if not own:
+        return None
+    nodes = own | {e.node for e in f.context.window(cond.kinds, start, f.now) if e.switch == f.switch}
+    size = f.context.switch_sizes.get(f.switch)
+    enough = cond.nodes_at_least is not None and len(nodes) >= cond.nodes_at_least
+    share = cond.fraction_at_least is not None and bool(size) and len(nodes) / size >= cond.fraction_at_least
+    if not (enough or share):
+        return None
+    of = f" of {size}" if size else ""
+    kinds = "/".join(k.value for k in cond.kinds)
+    return f"{len(nodes)}{of} nodes under {f.switch} report {kinds} within {cond.within_minutes} min"
+
+
 # Cheap, selective checks first: most rules fail on their first condition.
 CHECKS: tuple[tuple[str, Check], ...] = (
     ("kinds", _kinds),
     ("xid", _xid),
     ("dcgm_errors", _dcgm_errors),
     ("dcgm_severity", _dcgm_severity),
+    ("dcgm_category", _dcgm_category),
     ("ecc_dbe_at_least", _ecc),
     ("straggler", _straggler),
     ("diagnostic", _diagnostic),
@@ -111,22 +204,79 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("recent_remediations_at_most", _recent_at_most),
     ("min_events", _min_events),
     ("not_kinds", _not_kinds),
+    # Windowed counts scan the cluster's recent events: last, once everything cheap has held.
+    ("switch", _switch),
+    ("count", _count),
 )
+
+# Each condition only holds when the incident has events of these kinds: a rule whose
+# requirements the incident cannot meet is skipped without evaluating anything.
+_NEEDS: dict[str, frozenset[EventKind]] = {
+    "xid": frozenset({EventKind.XID}),
+    "dcgm_errors": frozenset({EventKind.DCGM_HEALTH}),
+    "dcgm_severity": frozenset({EventKind.DCGM_HEALTH}),
+    "dcgm_category": frozenset({EventKind.DCGM_HEALTH}),
+    "ecc_dbe_at_least": frozenset({EventKind.ECC}),
+    "straggler": frozenset({EventKind.STRAGGLER}),
+    "diagnostic": frozenset({EventKind.DIAGNOSTIC}),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledRule:
+    rule: Rule
+    index: int
+    needs: tuple[frozenset[EventKind], ...]
+    checks: tuple[tuple[str, Check], ...]
+    precedence: tuple[bool, int, int, int]
+
+
+def _compile_rule(rule: Rule, index: int) -> CompiledRule:
+    when = rule.when
+    checks = tuple((name, check) for name, check in CHECKS if getattr(when, name) is not None)
+    needs = [_NEEDS[name] for name, _ in checks if name in _NEEDS]
+    if when.kinds:
+        needs.append(frozenset(when.kinds))
+    needs.extend(frozenset(c.event_kinds()) for c in when.count or ())
+    if when.switch:
+        needs.append(frozenset(when.switch.kinds))
+    precedence = (rule.override, ACTION_RANK[rule.then.action], rule.priority, -index)
+    return CompiledRule(rule, index, tuple(needs), checks, precedence)
+
+
+_compiled: OrderedDict[int, tuple[Policy, tuple[CompiledRule, ...]]] = OrderedDict()
+
+
+def compiled(policy: Policy) -> tuple[CompiledRule, ...]:
+    """The policy's rules, compiled once (a few recently used policies are kept)."""
+    key = id(policy)
+    hit = _compiled.get(key)
+    if hit is not None and hit[0] is policy:
+        _compiled.move_to_end(key)
+        return hit[1]
+    rules = tuple(_compile_rule(rule, i) for i, rule in enumerate(policy.rules))
+    _compiled[key] = (policy, rules)
+    if len(_compiled) > 16:
+        _compiled.popitem(last=False)
+    return rules
+
+
+def evaluate(compiled_rule: CompiledRule, facts: Facts) -> tuple[list[str] | None, str | None]:
+    """(the reason each condition holds, None) or (None, the first condition that does not)."""
+    reasons: list[str] = []
+    when = compiled_rule.rule.when
+    for name, check in compiled_rule.checks:
+        reason = check(when, facts)
+        if reason is None:
+            return None, name
+        if reason not in reasons:  # at_least and at_most on one count read the same
+            reasons.append(reason)
+    return reasons, None
 
 
 def match(rule: Rule, facts: Facts) -> list[str] | None:
     """The reasons each condition of `rule` holds, or None when one does not."""
-    reasons: list[str] = []
-    when = rule.when
-    for name, check in CHECKS:
-        if getattr(when, name) is None:
-            continue
-        reason = check(when, facts)
-        if reason is None:
-            return None
-        if reason not in reasons:  # at_least and at_most on one count read the same
-            reasons.append(reason)
-    return reasons
+    return evaluate(_compile_rule(rule, 0), facts)[0]
 
 
 def _diagnose_level(rule: Rule, facts: Facts) -> int | None:
@@ -136,22 +286,22 @@ def _diagnose_level(rule: Rule, facts: Facts) -> int | None:
     return level if level > facts.highest_level_run else None
 
 
-def _precedence(rule: Rule, index: int) -> tuple[bool, int, int, int]:
-    return (rule.override, ACTION_RANK[rule.then.action], rule.priority, -index)
-
-
 def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
     candidates: list[tuple[tuple[bool, int, int, int], Rule, list[str], int | None]] = []
-    for index, rule in enumerate(policy.rules):
-        reasons = match(rule, facts)
+    kinds = facts.kinds
+    for compiled_rule in compiled(policy):
+        if any(kinds.isdisjoint(need) for need in compiled_rule.needs):
+            continue
+        reasons, _ = evaluate(compiled_rule, facts)
         if reasons is None:
             continue
+        rule = compiled_rule.rule
         level = None
         if rule.then.action is Action.DIAGNOSE:
             level = _diagnose_level(rule, facts)
             if level is None:
                 continue
-        candidates.append((_precedence(rule, index), rule, reasons, level))
+        candidates.append((compiled_rule.precedence, rule, reasons, level))
 
     if not candidates:
         return Decision(
@@ -178,6 +328,7 @@ def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
         rule=rule.id,
         reason=reason,
         recommend=list(then.recommend),
+        owner=then.owner,
         matched=[c[1].id for c in candidates],
         policy_sha256=policy_sha256,
     )

@@ -85,6 +85,72 @@ class DiagnosticCondition(_Strict):
     )
 
 
+class Signature(_Strict):
+    """Which events count: any of `kinds`, and for XIDs optionally only these codes."""
+
+    kinds: list[EventKind] | None = None
+    xid: list[int] | None = Field(None, description="Only XID events with these codes (implies kind xid).")
+
+    @model_validator(mode="after")
+    def _something(self) -> Signature:
+        if not self.kinds and not self.xid:
+            raise ValueError("give `kinds`, `xid` or both")
+        return self
+
+    def event_kinds(self) -> tuple[EventKind, ...]:
+        kinds = set(self.kinds or ())
+        if self.xid:
+            kinds.add(EventKind.XID)
+        return tuple(sorted(kinds))
+
+    def describe(self) -> str:
+        parts = [k.value for k in self.kinds or () if not (self.xid and k is EventKind.XID)]
+        if self.xid:
+            parts.append("XID " + "/".join(map(str, self.xid)))
+        return " or ".join(parts)
+
+
+class CountCondition(Signature):
+    """Events with the signature in the last `within_minutes`, across the cluster, counted per scope.
+
+    The incident must itself show the signature; `scope` then says which other events count:
+    the same GPU, the same node, the same job(s), or the whole cluster. `distinct` counts events,
+    or the different nodes / jobs / GPUs among them. `same_iteration_rank` keeps only events at
+    an (iteration, rank) the incident also reported: the mark of a deterministic software bug.
+    """
+
+    scope: Literal["gpu", "node", "job", "cluster"] = "node"
+    distinct: Literal["events", "episodes", "nodes", "jobs", "gpus"] = Field(
+        "events",
+        description="What to count; `episodes` are bursts separated by more than episode_gap_minutes "
+        "(a storm of one failure is one episode).",
+    )
+    episode_gap_minutes: PositiveInt = 10
+    same_iteration_rank: bool = False
+    at_least: PositiveInt
+    within_minutes: PositiveInt = 60
+
+
+class SwitchCondition(_Strict):
+    """Trouble on many nodes under the incident's leaf switch (or rack) at once: the network."""
+
+    kinds: list[EventKind]
+    nodes_at_least: PositiveInt | None = None
+    fraction_at_least: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Of the nodes under the switch; needs the switch's size (the scheduler's).",
+    )
+    within_minutes: PositiveInt = 5
+
+    @model_validator(mode="after")
+    def _threshold(self) -> SwitchCondition:
+        if self.nodes_at_least is None and self.fraction_at_least is None:
+            raise ValueError("give nodes_at_least, fraction_at_least or both")
+        return self
+
+
 class When(_Strict):
     """All conditions given must hold; a rule with an empty `when` never matches."""
 
@@ -94,6 +160,9 @@ class When(_Strict):
     dcgm_errors: list[str] | None = Field(None, description="Any dcgm_health event with these DCGM_FR_* ids.")
     dcgm_severity: list[Severity] | None = Field(
         None, description="Any dcgm_health event whose DCGM severity is one of these."
+    )
+    dcgm_category: list[str] | None = Field(
+        None, description="Any dcgm_health event whose DCGM category is one of these (e.g. HARDWARE_MEMORY)."
     )
     ecc_dbe_at_least: PositiveInt | None = None
     straggler: StragglerCondition | None = None
@@ -106,6 +175,8 @@ class When(_Strict):
         None, description="At most this many of our node actions on this node in the last 7 days."
     )
     min_events: PositiveInt | None = None
+    count: list[CountCondition] | None = Field(None, description="Windowed counts; all must hold.")
+    switch: SwitchCondition | None = None
 
     def is_empty(self) -> bool:
         return all(value is None for value in self.model_dump().values())
@@ -118,6 +189,9 @@ class Then(_Strict):
         None, description="For action diagnose: the DCGM level (1-4) or `next` after the latest run."
     )
     recommend: list[str] = Field(default_factory=list, description="What the owner should do.")
+    owner: str | None = Field(
+        None, description="Tell this owner (a key of `owners`, e.g. network) instead of the job's owner."
+    )
 
     @model_validator(mode="after")
     def _level_for_diagnose(self) -> Then:
@@ -147,6 +221,33 @@ class Rule(_Strict):
         return when
 
 
+class CircuitBreaker(_Strict):
+    """Opens when too many nodes are taken out of service within the window; a human closes it.
+
+    While open, no node is taken out of service (the decision escalates instead); returning
+    healthy nodes to service (reintegrate) still goes on.
+    """
+
+    nodes_percent: float | None = Field(None, gt=0, le=100)
+    nodes_at_least: PositiveInt | None = None
+    window_minutes: PositiveInt = 5
+
+
+class Guardrails(_Strict):
+    max_out_of_service: PositiveInt | None = Field(None, description="Nodes out of service by us at once.")
+    max_out_of_service_percent: float | None = Field(
+        None, gt=0, le=100, description="Of the fleet (rounded up, so a small fleet can still fix one node)."
+    )
+    max_destructive_per_hour: PositiveInt | None = Field(None, description="reset_gpu, reboot and replace.")
+    node_cooldown_minutes: NonNegativeInt | None = Field(
+        None, description="Minimum time between two destructive actions on one node."
+    )
+    circuit_breaker: CircuitBreaker | None = None
+    never_touch: list[str] = Field(
+        default_factory=list, description="Node names or shell patterns (gpu-node-1*) never acted on."
+    )
+
+
 class Defaults(_Strict):
     incident_window_minutes: PositiveInt = 10
     classification: Classification = Classification.UNKNOWN
@@ -162,6 +263,7 @@ class Policy(_Strict):
     owners: dict[str, str] = Field(
         default_factory=dict, description="Owner or team name -> Slack channel or user."
     )
+    guardrails: Guardrails = Field(default_factory=Guardrails)
     rules: list[Rule]
 
     @model_validator(mode="after")
@@ -186,3 +288,8 @@ class Decision(_Strict):
     recommend: list[str] = Field(default_factory=list)
     matched: list[str] = Field(default_factory=list, description="Every rule that matched, winner first.")
     policy_sha256: str = ""
+    owner: str | None = Field(None, description="Who to tell, when the rule names one.")
+    guardrail: str | None = Field(None, description="The guardrail that stopped the rule's action.")
+    blocked_action: Action | None = Field(
+        None, description="What the rule asked for, when a guardrail said no."
+    )

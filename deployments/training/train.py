@@ -1,0 +1,176 @@
+"""Reference training job: a small deterministic MLP under DDP that checkpoints with DCP and resumes.
+
+    python -m torch.distributed.run --nproc-per-node 2 deployments/training/train.py \
+        --steps 40 --ckpt-every 10 --ckpt-dir /tmp/ckpt --loss-log /tmp/loss.jsonl
+
+The batch for step s is a pure function of (seed, s) and the algorithms are deterministic, so a
+run resumed from step k's checkpoint repeats the uninterrupted run's losses bit for bit (same
+world size) and within float rounding at another world size (DCP reshards on load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with this
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from medic_hooks import MedicHooks
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
+from integrations.checkpoints import latest_in_directory, step_dir_name
+
+FEATURES = 16
+HIDDEN = 64
+FAULT_EXIT_CODE = 13
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=int(env("TRAIN_STEPS", "100")))
+    parser.add_argument("--ckpt-every", type=int, default=int(env("TRAIN_CKPT_EVERY", "10")))
+    parser.add_argument("--ckpt-dir", type=Path, default=Path(env("CKPT_DIR", "checkpoints")))
+    parser.add_argument("--loss-log", type=Path, default=Path(env("TRAIN_LOSS_LOG", "losses.jsonl")))
+    parser.add_argument("--events", default=env("MEDIC_EVENTS", "medic-events.jsonl"), help="file or URL")
+    parser.add_argument("--job", default=env("MEDIC_JOB", "reference-train"))
+    parser.add_argument("--seed", type=int, default=int(env("TRAIN_SEED", "1234")))
+    parser.add_argument("--batch-size", type=int, default=64, help="global: split evenly across ranks")
+    parser.add_argument("--fail-at-step", type=int, help="fault injection: exit abruptly at this step")
+    parser.add_argument("--nan-at-step", type=int, help="fault injection: NaN loss at this step")
+    parser.add_argument("--fail-rank", type=int, default=0, help="the rank the injected faults hit")
+    return parser.parse_args(argv)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 1)
+    )
+
+
+def batch(seed: int, step: int, size: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of step `step`'s global batch, which depends only on (seed, step)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    x = torch.randn(size, FEATURES, generator=generator)
+    y = torch.sin(x.sum(dim=1, keepdim=True)) + 0.1 * torch.randn(size, 1, generator=generator)
+    per_rank = size // world
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    return x[rows], y[rows]
+
+
+def grads_finite(model: nn.Module) -> bool:
+    # DDP all-reduces gradients, so every rank reaches the same verdict without another collective.
+    return all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+
+
+def resume_step(ckpt_dir: Path, job: str, rank: int) -> int:
+    """The newest complete checkpoint's step (0 for none), decided by rank 0 for everyone."""
+    found = [None]
+    if rank == 0:
+        checkpoint = latest_in_directory(job, ckpt_dir)
+        found = [checkpoint.step if checkpoint else 0]
+    dist.broadcast_object_list(found, src=0)
+    return int(found[0])  # type: ignore[arg-type]
+
+
+def save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, rank: int) -> None:
+    if rank == 0 and folder.exists():
+        shutil.rmtree(folder)  # a leftover of an interrupted run: never mix its shards with ours
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+
+
+def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def train(args: argparse.Namespace, hooks: MedicHooks, rank: int, world: int, device: torch.device) -> None:
+    if args.batch_size % world:
+        raise ValueError(f"--batch-size {args.batch_size} does not split over {world} ranks")
+    torch.manual_seed(args.seed)
+    model = make_model().to(device)
+    ddp = DistributedDataParallel(model)
+    # Adam's moment estimates are state too: resuming them is part of what the checkpoint proves.
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+
+    start = resume_step(args.ckpt_dir, args.job, rank)
+    if start:
+        load(ddp, optimizer, args.ckpt_dir / step_dir_name(start))
+        print(f"rank {rank}: resumed from step {start} ({args.ckpt_dir})", flush=True)
+
+    args.loss_log.parent.mkdir(parents=True, exist_ok=True)
+    with args.loss_log.open("a") as losses:
+        for step in range(start + 1, args.steps + 1):
+            began = time.perf_counter()
+            if step == args.fail_at_step and rank == args.fail_rank:
+                raise InjectedFault(f"injected fault at step {step} on rank {rank}")
+            x, y = batch(args.seed, step, args.batch_size, rank, world)
+            loss = nn.functional.mse_loss(ddp(x.to(device)), y.to(device))
+            if step == args.nan_at_step and rank == args.fail_rank:
+                loss = loss * float("nan")
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if grads_finite(ddp):
+                optimizer.step()  # a NaN step is skipped on every rank alike, like AMP's loss scaler does
+            value = loss.item()
+            # The save is left out of the step time: a checkpoint step is slow by design, not a straggler.
+            hooks.step(step, value, time.perf_counter() - began)
+            line = {"step": step, "rank": rank, "world_size": world, "loss": value.hex()}
+            losses.write(json.dumps(line) + "\n")
+            losses.flush()
+            if step % args.ckpt_every == 0:
+                save(ddp, optimizer, args.ckpt_dir / step_dir_name(step), rank)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    hooks = MedicHooks(
+        job=args.job,
+        node=socket.gethostname(),
+        rank=rank,
+        sink=args.events,
+        gpu=local_rank if use_cuda else None,
+    )
+    with hooks.watch():
+        try:
+            train(args, hooks, rank, world, device)
+        except InjectedFault:
+            hooks.crash(FAULT_EXIT_CODE)
+            # Die like a crashed process: no process-group teardown, the launcher sees the exit code.
+            os._exit(FAULT_EXIT_CODE)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
