@@ -86,11 +86,16 @@ def _summary(
 
 
 def _message(triaged: Triage, decision: Decision, summary: str) -> Message:
+    body = f"{summary}\nDecision: rule `{decision.rule}` — {decision.reason}"
+    problem = current().policy_problem
+    if problem:
+        # The owner of the policy must hear that their edit did not take effect.
+        body += f"\nWarning: {problem}"
     return Message(
         incident=triaged.incident,
         channel=triaged.channel,
         title=f"{decision.classification.value.capitalize()} fault on {triaged.node}: {decision.action.value}",
-        body=f"{summary}\nDecision: rule `{decision.rule}` — {decision.reason}",
+        body=body,
         recommend=tuple(decision.recommend),
         fields={
             "node": triaged.node,

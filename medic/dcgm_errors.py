@@ -7,6 +7,7 @@ release without touching code.
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cache
@@ -51,3 +52,9 @@ def lookup(error: int | str) -> DcgmError | None:
 
 def all_errors() -> list[DcgmError]:
     return sorted({e.id: e for e in _table().values()}.values(), key=lambda e: e.id)
+
+
+def worst(severities: Iterable[Severity]) -> Severity | None:
+    """The most drastic of `severities` (Severity's declaration order), None when there are none."""
+    order = list(Severity)
+    return max(severities, key=order.index, default=None)

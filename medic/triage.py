@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from medic.context import Context
 from medic.events import FaultEvent
-from medic.facts import facts_of
+from medic.facts import Facts, facts_of
 from medic.incidents import Incident, correlate
 from medic.policy import LoadedPolicy, decide, guardrails
 from medic.policy.guardrails import FleetState, takes_node_out
@@ -70,19 +70,28 @@ class _ReplayedFleet:
     def record(self, node: str, now: datetime, decision: Decision) -> None:
         if decision.guardrail == "circuit_breaker":
             self.breaker_open = True
-        if decision.action is Action.REINTEGRATE:
-            self.out_of_service.discard(node)
-        elif takes_node_out(decision):
+        if takes_node_out(decision):
+            self.taken_out_at[node] = now
             self.out_of_service.add(node)
-            self.taken_out_at.setdefault(node, now)
         if decision.action in DESTRUCTIVE:
             self.destructive_at.append(now)
             self.last_destructive[node] = now
+        if decision.action in DESTRUCTIVE or decision.action is Action.REINTEGRATE:
+            # The flow verifies a repaired node and returns it; a drain or a long
+            # diagnostic keeps it out until a later decision says otherwise.
+            self.out_of_service.discard(node)
 
 
-def triage(
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    incident: Incident
+    facts: Facts
+    decision: Decision
+
+
+def replay(
     events: Iterable[FaultEvent], loaded: LoadedPolicy, fleet_size: int | None = None
-) -> Iterator[tuple[Incident, Decision]]:
+) -> Iterator[Replayed]:
     """Decide on each incident in time order, as the flows would, without acting.
 
     Cross-node conditions see every event of the input; guardrails see the fleet as the earlier
@@ -100,4 +109,11 @@ def triage(
             policy.guardrails, fleet.state(now), incident.node, decide(policy, facts, loaded.sha256)
         )
         fleet.record(incident.node, now, decision)
-        yield incident, decision
+        yield Replayed(incident, facts, decision)
+
+
+def triage(
+    events: Iterable[FaultEvent], loaded: LoadedPolicy, fleet_size: int | None = None
+) -> Iterator[tuple[Incident, Decision]]:
+    for replayed in replay(events, loaded, fleet_size):
+        yield replayed.incident, replayed.decision

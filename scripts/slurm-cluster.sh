@@ -22,6 +22,7 @@ conf=$base/etc/slurm.conf
 run=$base/run
 log=$base/log
 munge_socket=$run/munge.socket
+self=$(readlink -f "$0")
 export SLURM_CONF=$conf
 
 now() { date +%s.%N; }
@@ -72,14 +73,12 @@ SlurmdTimeout=30
 SlurmctldTimeout=30
 KillWait=2
 MinJobAge=300
+# slurmd runs this for "scontrol reboot": a stand-in that restarts the node's slurmd as if the
+# machine had booted (see fake_reboot below); nothing here may really reboot.
 RebootProgram=$base/bin/fake-reboot
 EOF
   mkdir -p "$base/bin"
-  cat >"$base/bin/fake-reboot" <<EOF
-#!/bin/sh
-echo "\$(date +%s) \$PPID \$*" >>"$log/reboots.log"
-env >>"$log/reboots.log"
-EOF
+  printf '#!/bin/bash\nSLURM_TEST_BASE=%q exec %q fake-reboot\n' "$base" "$self" >"$base/bin/fake-reboot"
   chmod 755 "$base/bin/fake-reboot"
   local node_gres=""
   rm -f "$base/etc/gres.conf"
@@ -192,8 +191,37 @@ status() {
   [ $running = 1 ]
 }
 
+# The RebootProgram: find which node's slurmd asked (our ancestor), then, detached from it, stop
+# that slurmd and start it again in a new time namespace whose boot clock reads ~1 s. slurmctld
+# then sees a boot time after its reboot request, as after a real reboot, and applies nextstate.
+fake_reboot() {
+  local pid=$PPID node="" pidfile
+  shopt -s nullglob
+  while [ -z "$node" ] && [ "$pid" -gt 1 ]; do
+    for pidfile in "$run"/slurmd-*.pid; do
+      [ "$(cat "$pidfile")" = "$pid" ] && node=$(basename "$pidfile" .pid) && node=${node#slurmd-}
+    done
+    [ -r "/proc/$pid/stat" ] || break
+    pid=$(cut -d' ' -f4 "/proc/$pid/stat")
+  done
+  [ -n "$node" ] || { echo "fake-reboot: no slurmd among my ancestors" >&2; exit 1; }
+  echo "$(date +%s) $node" >>"$log/reboots.log"
+  setsid "$self" boot-node "$node" </dev/null >>"$log/reboots.log" 2>&1 &
+}
+
+boot_node() {
+  local node=$1 pidfile=$run/slurmd-$1.pid offset uptime
+  stop_pids "$pidfile"
+  # Offsets are from the host's clock; we may run inside an earlier fake boot's namespace.
+  offset=$(awk '$1 == "boottime" { print $2 }' /proc/self/timens_offsets)
+  uptime=$(($(cut -d. -f1 /proc/uptime) - ${offset:-0}))
+  unshare --time --boottime "-$((uptime - 1))" slurmd -f "$conf" -N "$node"
+}
+
 case "${1:-}" in
   start) start ;;
+  fake-reboot) fake_reboot ;;
+  boot-node) boot_node "$2" ;;
   stop) stop ;;
   status) status ;;
   *)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from collections import Counter
+from datetime import datetime, timedelta
 
-from integrations.protocols import DiagnosticResult
+from integrations.protocols import DiagnosticResult, NodeInfo
+from medic.context import Context
 from medic.facts import HISTORY_WINDOW, facts_of
 from medic.incidents import Incident
-from medic.policy import Decision, decide
+from medic.policy import Decision, decide, guardrails
+from medic.policy.guardrails import HOUR, FleetState
+from medic.policy.model import DESTRUCTIVE, Policy
 from medic.store import utcnow
 from medic.store.tables import DiagnosticRecord
 from tasks.runtime import Runtime
@@ -41,12 +45,41 @@ def record_diagnostic(rt: Runtime, incident_id: str, result: DiagnosticResult, n
     )
 
 
+def fleet_state(rt: Runtime, policy: Policy, now: datetime, nodes: list[NodeInfo]) -> FleetState:
+    """The fleet as the guardrails must see it: the scheduler's nodes and our recorded actions."""
+    rails = policy.guardrails
+    cooldown = timedelta(minutes=rails.node_cooldown_minutes or 0)
+    destructive = rt.store.actions_since(now - max(HOUR, cooldown), [a.value for a in DESTRUCTIVE])
+    window = timedelta(minutes=rails.circuit_breaker.window_minutes if rails.circuit_breaker else 0)
+    drains = rt.store.actions_since(now - window, ["drain"])
+    return FleetState(
+        now=now,
+        fleet_size=len(nodes),
+        out_of_service=frozenset(n.name for n in nodes if n.drained_by_medic),
+        destructive_at=tuple(a.intent_at for a in destructive),
+        last_destructive={a.node: a.intent_at for a in destructive},
+        taken_out_at={a.node: a.intent_at for a in drains},
+        breaker_open=rt.store.open_breaker_record() is not None,
+    )
+
+
 def evaluate(rt: Runtime, incident_id: str) -> Decision:
     """Decide on the incident as the store knows it now, with the policy file as it is now."""
     incident = load_incident(rt, incident_id)
-    out_of_service = rt.backends.scheduler.node(incident.node).drained_by_medic
     loaded = rt.policy()
-    facts = facts_of(incident, out_of_service=out_of_service, now=utcnow())
-    decision = decide(loaded.policy, facts, loaded.sha256)
+    policy = loaded.policy
+    now = utcnow()
+    nodes = rt.backends.scheduler.nodes()
+    context = Context(
+        rt.store.events_between(now - policy.lookback(), now),
+        switch_sizes=Counter(n.switch for n in nodes if n.switch),
+        fleet_size=len(nodes),
+    )
+    out_of_service = rt.backends.scheduler.node(incident.node).drained_by_medic
+    facts = facts_of(incident, out_of_service=out_of_service, now=now, context=context)
+    state = fleet_state(rt, policy, now, nodes)
+    decision = guardrails.apply(policy.guardrails, state, incident.node, decide(policy, facts, loaded.sha256))
+    if decision.guardrail == "circuit_breaker" and not state.breaker_open:
+        rt.store.open_breaker(decision.reason, incident_id)
     rt.store.add_decision(decision, loaded.path)
     return decision

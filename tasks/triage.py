@@ -31,10 +31,11 @@ def triage(incident_id: str) -> Triage:
         scheduler = rt.backends.scheduler
         jobs = incident.jobs or [j.id for j in scheduler.jobs_on_node(incident.node)]
         owner = next((info.owner for j in jobs if (info := scheduler.job(j)) and info.owner), None)
-        owners = rt.policy().policy.owners
-        channel = owners.get(owner or "", owners.get("default", "#gpu-medic"))
         gpu = next((e.gpu for e in incident.events if e.gpu is not None), None)
         decision = evaluate(rt, incident_id)
+        # A rule may route elsewhere (network trouble goes to the network team, not the job owner).
+        owners = rt.policy().policy.owners
+        channel = owners.get(decision.owner or owner or "", owners.get("default", "#gpu-medic"))
         rt.store.update_incident(
             incident_id,
             status="remediating",

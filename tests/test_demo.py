@@ -27,7 +27,7 @@ def test_demo_remediates_hardware_and_leaves_application_faults_alone(
         "gpu-node-3": ("hardware", "reboot", "closed"),
         "gpu-node-5": ("software", "none", "closed"),
         "gpu-node-2": ("hardware", "replace", "closed"),
-        "gpu-node-6": ("hardware", "reset_gpu", "closed"),
+        "gpu-node-7": ("unknown", "none", "closed"),
     }
     # The malformed lines were kept, not lost, and did not stop the rest.
     assert len(store.rejections()) == 2
@@ -41,4 +41,8 @@ def test_demo_remediates_hardware_and_leaves_application_faults_alone(
     assert resume.detail is not None and resume.detail["checkpoint_step"] == 12_000
     assert "resumed from step 12000" in result.output
     assert "L2 fail (DCGM_FR_FAULTY_MEMORY)" in result.output
+    # The lone NCCL timeout was settled by a passing quick diagnostic, the node left in service.
+    lone = store.incident_detail(incidents["gpu-node-7"].id)
+    assert lone is not None and [(d.level, d.result) for d in lone.diagnostics] == [(1, "pass")]
+    assert [a.action for a in lone.actions] == []
     assert "Slack → #gpu-ops" in result.output

@@ -139,7 +139,7 @@ def test_not_a_mapping(tmp_path, text):
 
 def test_wrong_version(tmp_path):
     (problem,) = problems_of(GOOD.replace("version: 1", "version: 2"), tmp_path)
-    assert problem == "1:10: version: expected 1"
+    assert problem == "1:10: version: expected 1, got 2"
 
 
 def test_missing_file(tmp_path):

@@ -172,15 +172,12 @@ class MedicHooks:
         """nccl_timeout for a collective timeout, job_crash (exit code 1) for anything else; once each."""
         if any(note.startswith(REPORTED_NOTE) for note in getattr(error, "__notes__", ())):
             return None
+        what = {"error": type(error).__name__, "message": str(error)[:500]}
         if is_collective_timeout(error):
-            event = self.event(
-                EventKind.NCCL_TIMEOUT,
-                iteration=self.last_step,
-                error=type(error).__name__,
-                message=str(error)[:500],
-            )
+            event = self.event(EventKind.NCCL_TIMEOUT, iteration=self.last_step, **what)
         else:
-            event = self.event(EventKind.JOB_CRASH, iteration=self.last_step, exit_code=1)
+            # 1 is the exit code Python gives an uncaught exception.
+            event = self.event(EventKind.JOB_CRASH, iteration=self.last_step, exit_code=1, **what)
         error.add_note(f"{REPORTED_NOTE}{event.kind.value} event {event.id}")
         return event
 

@@ -1,7 +1,6 @@
 """Reference training job: a small deterministic MLP under DDP that checkpoints with DCP and resumes.
 
-    python -m torch.distributed.run --nproc-per-node 2 deployments/training/train.py \
-        --steps 40 --ckpt-every 10 --ckpt-dir /tmp/ckpt --loss-log /tmp/loss.jsonl
+    python -m torch.distributed.run --nproc-per-node 2 deployments/training/train.py --ckpt-dir /tmp/ckpt
 
 The batch for step s is a pure function of (seed, s) and the algorithms are deterministic, so a
 run resumed from step k's checkpoint repeats the uninterrupted run's losses bit for bit (same
@@ -19,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with this
 
@@ -27,7 +27,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from medic_hooks import MedicHooks
 from torch import nn
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
 from integrations.checkpoints import latest_in_directory, step_dir_name
@@ -42,22 +45,60 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=int(env("TRAIN_STEPS", "100")))
-    parser.add_argument("--ckpt-every", type=int, default=int(env("TRAIN_CKPT_EVERY", "10")))
-    parser.add_argument("--ckpt-dir", type=Path, default=Path(env("CKPT_DIR", "checkpoints")))
-    parser.add_argument("--loss-log", type=Path, default=Path(env("TRAIN_LOSS_LOG", "losses.jsonl")))
-    parser.add_argument("--events", default=env("MEDIC_EVENTS", "medic-events.jsonl"), help="file or URL")
-    parser.add_argument("--job", default=env("MEDIC_JOB", "reference-train"))
-    parser.add_argument("--seed", type=int, default=int(env("TRAIN_SEED", "1234")))
-    parser.add_argument("--batch-size", type=int, default=64, help="global: split evenly across ranks")
-    parser.add_argument("--fail-at-step", type=int, help="fault injection: exit abruptly at this step")
-    parser.add_argument("--nan-at-step", type=int, help="fault injection: NaN loss at this step")
-    parser.add_argument("--fail-rank", type=int, default=0, help="the rank the injected faults hit")
-    return parser.parse_args(argv)
+    parser.add_argument("--steps", type=int, default=int(env("TRAIN_STEPS", "100")), help="env TRAIN_STEPS")
+    parser.add_argument(
+        "--ckpt-every", type=int, default=int(env("TRAIN_CKPT_EVERY", "10")), help="env TRAIN_CKPT_EVERY"
+    )
+    parser.add_argument(
+        "--ckpt-dir", type=Path, default=Path(env("CKPT_DIR", "checkpoints")), help="env CKPT_DIR"
+    )
+    parser.add_argument(
+        "--loss-log",
+        type=Path,
+        default=Path(env("TRAIN_LOSS_LOG", "losses.jsonl")),
+        help="env TRAIN_LOSS_LOG",
+    )
+    parser.add_argument(
+        "--events",
+        default=env("MEDIC_EVENTS", "medic-events.jsonl"),
+        help="fault events: a JSONL file or an http(s) URL (env MEDIC_EVENTS)",
+    )
+    parser.add_argument("--job", default=env("MEDIC_JOB", "reference-train"), help="env MEDIC_JOB")
+    parser.add_argument("--seed", type=int, default=int(env("TRAIN_SEED", "1234")), help="env TRAIN_SEED")
+    parser.add_argument("--batch-size", type=int, default=64, help="global, split evenly across ranks")
+    faults = parser.add_argument_group("fault injection (each fault hits --fail-rank)")
+    faults.add_argument("--fail-at-step", type=int, help="exit abruptly at the start of this step")
+    faults.add_argument(
+        "--fail-during-save",
+        action="store_true",
+        help="exit instead inside that step's checkpoint save: after writing this rank's shard, "
+        "before the metadata (leaves an interrupted checkpoint)",
+    )
+    faults.add_argument("--nan-at-step", type=int, help="NaN loss at this step (the update is skipped)")
+    faults.add_argument("--fail-rank", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.fail_during_save and (args.fail_at_step is None or args.fail_at_step % args.ckpt_every):
+        parser.error("--fail-during-save needs a --fail-at-step that is a checkpoint step")
+    return args
 
 
-class InjectedFault(RuntimeError):
-    pass
+def die(hooks: MedicHooks) -> NoReturn:
+    """Die like a crashed process: report, then exit without any teardown; the launcher sees the code."""
+    hooks.crash(FAULT_EXIT_CODE)
+    os._exit(FAULT_EXIT_CODE)
+
+
+class DyingWriter(dcp.FileSystemWriter):
+    """Writes this rank's shard files, then dies before the coordinator can write `.metadata`."""
+
+    def __init__(self, path: Path, hooks: MedicHooks) -> None:
+        super().__init__(str(path))
+        self.hooks = hooks
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        written = super().write_data(plan, planner)
+        written.wait()
+        die(self.hooks)
 
 
 def make_model() -> nn.Module:
@@ -91,12 +132,22 @@ def resume_step(ckpt_dir: Path, job: str, rank: int) -> int:
     return int(found[0])  # type: ignore[arg-type]
 
 
-def save(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path, rank: int) -> None:
+def save(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    folder: Path,
+    rank: int,
+    writer: dcp.FileSystemWriter | None = None,
+) -> None:
     if rank == 0 and folder.exists():
         shutil.rmtree(folder)  # a leftover of an interrupted run: never mix its shards with ours
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+    dcp.save(
+        {"model": model_state, "optim": optim_state},
+        checkpoint_id=str(folder),
+        storage_writer=writer or dcp.FileSystemWriter(str(folder)),
+    )
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
@@ -124,8 +175,9 @@ def train(args: argparse.Namespace, hooks: MedicHooks, rank: int, world: int, de
     with args.loss_log.open("a") as losses:
         for step in range(start + 1, args.steps + 1):
             began = time.perf_counter()
-            if step == args.fail_at_step and rank == args.fail_rank:
-                raise InjectedFault(f"injected fault at step {step} on rank {rank}")
+            fault_here = step == args.fail_at_step and rank == args.fail_rank
+            if fault_here and not args.fail_during_save:
+                die(hooks)
             x, y = batch(args.seed, step, args.batch_size, rank, world)
             loss = nn.functional.mse_loss(ddp(x.to(device)), y.to(device))
             if step == args.nan_at_step and rank == args.fail_rank:
@@ -141,7 +193,8 @@ def train(args: argparse.Namespace, hooks: MedicHooks, rank: int, world: int, de
             losses.write(json.dumps(line) + "\n")
             losses.flush()
             if step % args.ckpt_every == 0:
-                save(ddp, optimizer, args.ckpt_dir / step_dir_name(step), rank)
+                folder = args.ckpt_dir / step_dir_name(step)
+                save(ddp, optimizer, folder, rank, DyingWriter(folder, hooks) if fault_here else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -162,12 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gpu=local_rank if use_cuda else None,
     )
     with hooks.watch():
-        try:
-            train(args, hooks, rank, world, device)
-        except InjectedFault:
-            hooks.crash(FAULT_EXIT_CODE)
-            # Die like a crashed process: no process-group teardown, the launcher sees the exit code.
-            os._exit(FAULT_EXIT_CODE)
+        train(args, hooks, rank, world, device)
     dist.destroy_process_group()
     return 0
 

@@ -60,6 +60,10 @@ def triage(
     events: EventsArgument,
     policy: PolicyOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per incident and line.")] = False,
+    fleet_size: Annotated[
+        int | None,
+        typer.Option(min=1, help="Nodes in the fleet, for percentage guardrails (else count limits only)."),
+    ] = None,
 ) -> None:
     """Group events into incidents and decide on each, WITHOUT acting."""
     from medic.triage import triage as run_triage
@@ -68,7 +72,7 @@ def triage(
     loaded = _policy(policy)
     intake = read_file(events)
     _report_rejections(intake.rejected, intake.duplicates)
-    results = list(run_triage(intake.events, loaded))
+    results = list(run_triage(intake.events, loaded, fleet_size))
     if as_json:
         for incident, decision in results:
             sys.stdout.write(triage_line(incident, decision).model_dump_json() + "\n")
@@ -182,6 +186,126 @@ def policy_check(files: Annotated[list[Path], typer.Argument(help="Policy files.
         console.print(f"{path}: ok ({len(loaded.policy.rules)} rules, sha256 {loaded.sha256[:12]})")
     if failed:
         raise typer.Exit(1)
+
+
+@policy_app.command("schema")
+def policy_schema(
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to this file.")] = None,
+) -> None:
+    """The policy JSON Schema, for editors (`# yaml-language-server: $schema=...`)."""
+    from medic.policy.model import Policy
+
+    text = json.dumps(Policy.model_json_schema(), indent=2) + "\n"
+    if output:
+        output.write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+
+
+@policy_app.command("explain")
+def policy_explain(
+    file: Annotated[Path, typer.Argument(help="Policy file.")],
+    events: EventsArgument,
+    fleet_size: Annotated[int | None, typer.Option(min=1, help="Nodes in the fleet.")] = None,
+) -> None:
+    """For each incident: the facts, every rule that matched or why not, and the winner."""
+    from medic.policy.explain import describe, trace
+    from medic.triage import replay
+
+    loaded = _policy(file)
+    intake = read_file(events)
+    _report_rejections(intake.rejected, intake.duplicates)
+    for result in replay(intake.events, loaded, fleet_size):
+        decision = result.decision
+        console.rule(f"{result.incident.id} on {result.incident.node}")
+        facts = Table.grid(padding=(0, 2))
+        for name, value in describe(result.facts).items():
+            facts.add_row(name, value)
+        console.print(facts)
+        rules = Table(title_justify="left")
+        for column in ("rule", "action", "matched", "because / failed on"):
+            rules.add_column(column, overflow="fold")
+        for t in trace(loaded.policy, result.facts):
+            if t.matched:
+                status, why = "[green]yes[/green]", "; ".join(t.reasons)
+            else:
+                status, why = "[dim]no[/dim]", t.note or f"`{t.failed_on}` does not hold"
+            rules.add_row(t.rule, t.action, status, why)
+        console.print(rules)
+        winner = (
+            f"[bold]{decision.action.value}[/bold] ({decision.classification.value}) by rule {decision.rule}"
+        )
+        console.print(
+            f"Decision: {winner}. Precedence: override, then action rank, then priority, then order."
+        )
+        if decision.guardrail:
+            console.print(
+                f"[magenta]Guardrail {decision.guardrail}[/magenta] stopped {decision.blocked_action}."
+            )
+        console.print(f"[dim]{decision.reason}[/dim]")
+
+
+@policy_app.command("test")
+def policy_test(
+    file: Annotated[Path, typer.Argument(help="Policy file.")],
+    tests: Annotated[Path | None, typer.Argument(help="Tests (default: FILE's stem + .tests.yaml).")] = None,
+) -> None:
+    """Run the policy's test cases; a failure prints what was expected and what came out."""
+    from medic.policy.testing import default_tests_path, load_tests, run_tests
+
+    loaded = _policy(file)
+    path = tests or default_tests_path(file)
+    try:
+        cases = load_tests(path)
+        results = run_tests(loaded, cases)
+    except PolicyError as error:
+        err.print(str(error), markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    except ValueError as error:
+        err.print(f"{path}: {error}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    failed = [r for r in results if not r.passed]
+    for result in results:
+        mark = "[green]PASS[/green]" if result.passed else "[red]FAIL[/red]"
+        console.print(f"{mark} {escape(result.name)} [dim]({result.rule})[/dim]")
+        for difference in result.differences:
+            console.print(f"     [red]- {escape(difference)}[/red]")
+    console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    if failed:
+        raise typer.Exit(1)
+
+
+breaker_app = typer.Typer(
+    help="The circuit breaker: opened by a storm, closed by a human.", no_args_is_help=True
+)
+app.add_typer(breaker_app, name="breaker")
+
+
+@breaker_app.command("status")
+def breaker_status() -> None:
+    """Is the breaker open, since when, and why."""
+    from medic.store import Store
+
+    row = Store(load_settings().database_url).open_breaker_record()
+    if row is None:
+        console.print("closed: remediation may take nodes out of service")
+        return
+    console.print(
+        f"[bold red]open[/bold red] since {row.opened_at:%Y-%m-%d %H:%M:%S} (incident {row.incident_id})"
+    )
+    console.print(row.reason)
+    raise typer.Exit(3)
+
+
+@breaker_app.command("close")
+def breaker_close(by: Annotated[str, typer.Option(help="Who closes it (kept in the store).")]) -> None:
+    """Close the breaker after the storm has been looked at."""
+    from medic.store import Store
+
+    row = Store(load_settings().database_url).close_breaker(by)
+    console.print(
+        "it was not open" if row is None else f"closed by {by}; opened {row.opened_at:%Y-%m-%d %H:%M:%S}"
+    )
 
 
 @app.command()

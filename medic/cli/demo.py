@@ -52,7 +52,7 @@ def build_scenario(now: datetime | None = None) -> Scenario:
         step_seconds=1.8,
     )
     fleet.add_job(
-        "vision-ft", "bob", ["gpu-node-5", "gpu-node-6"], step=8_215, checkpoint_every=200, step_seconds=0.9
+        "vision-ft", "bob", ["gpu-node-5", "gpu-node-6", "gpu-node-7"], step=8_215, checkpoint_every=200, step_seconds=0.9
     )
     # The degraded GPU on gpu-node-2 only shows under load: DCGM level 2 finds it.
     fleet.script_diagnostic("gpu-node-2", 2, "fail", ("DCGM_FR_FAULTY_MEMORY",))
@@ -88,8 +88,8 @@ def build_scenario(now: datetime | None = None) -> Scenario:
             source="job",
             attributes={"step_time_ratio": ratio},
         )
-    # 4. Double-bit ECC on gpu-node-6, GPU 1.
-    add(150, "ecc", "gpu-node-6", gpu=1, attributes={"dbe": 2, "sbe": 14})
+    # 4. A lone collective timeout on gpu-node-7: a quick DCGM level 1 settles it (passes).
+    add(150, "nccl_timeout", "gpu-node-7", job="vision-ft", rank=3, source="job")
 
     lines = [json.dumps(e) for e in events]
     lines[3:3] = BAD_LINES
@@ -99,7 +99,7 @@ def build_scenario(now: datetime | None = None) -> Scenario:
         "gpu-node-3: XID 79 (GPU fallen off the bus), the training job's ranks time out and crash",
         "gpu-node-5: NaN loss at iteration 8,215 in vision-ft, then the job crashes",
         "gpu-node-2: three straggler reports (steps 1.3-1.5x slower)",
-        "gpu-node-6: double-bit ECC errors on GPU 1",
+        "gpu-node-7: a lone NCCL timeout",
         "two malformed lines in the feed",
     ]
     return Scenario(fleet, lines, story)

@@ -279,7 +279,7 @@ def match(rule: Rule, facts: Facts) -> list[str] | None:
     return evaluate(_compile_rule(rule, 0), facts)[0]
 
 
-def _diagnose_level(rule: Rule, facts: Facts) -> int | None:
+def diagnose_level(rule: Rule, facts: Facts) -> int | None:
     """The level a diagnose rule asks for now, or None when that level has already run."""
     wanted = rule.then.diagnose_level
     level = facts.highest_level_run + 1 if wanted == "next" else int(wanted or 1)
@@ -298,7 +298,7 @@ def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
         rule = compiled_rule.rule
         level = None
         if rule.then.action is Action.DIAGNOSE:
-            level = _diagnose_level(rule, facts)
+            level = diagnose_level(rule, facts)
             if level is None:
                 continue
         candidates.append((compiled_rule.precedence, rule, reasons, level))

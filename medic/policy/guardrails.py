@@ -26,7 +26,7 @@ class FleetState:
     out_of_service: frozenset[str] = frozenset()  # nodes out of service by us right now
     destructive_at: tuple[datetime, ...] = ()  # our destructive actions, any node
     last_destructive: Mapping[str, datetime] = field(default_factory=dict)  # per node
-    taken_out_at: Mapping[str, datetime] = field(default_factory=dict)  # when each node went out
+    taken_out_at: Mapping[str, datetime] = field(default_factory=dict)  # latest time each node went out
     breaker_open: bool = False  # opened earlier; stays open until a human closes it
 
 
@@ -50,7 +50,8 @@ def breaker_trips(guardrails: Guardrails, state: FleetState, node: str) -> str |
     if breaker is None:
         return None
     start = state.now - timedelta(minutes=breaker.window_minutes)
-    recent = {n for n, at in state.taken_out_at.items() if at >= start and n in state.out_of_service} | {node}
+    # Nodes taken out within the window count even if they are back: a storm is the rate.
+    recent = {n for n, at in state.taken_out_at.items() if at >= start} | {node}
     limit = _limit(breaker.nodes_at_least, breaker.nodes_percent, state.fleet_size)
     if limit is None or len(recent) <= limit:
         return None

@@ -5,11 +5,14 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from medic.policy.model import DuplicateRuleId, Policy
+
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,11 @@ def _node_at(root: yaml.Node, loc: tuple[int | str, ...], at_key: bool) -> yaml.
 
 
 def parse_policy(text: str, name: str) -> Policy:
+    return parse_yaml(text, name, Policy, "a mapping with `rules:`")
+
+
+def parse_yaml(text: str, name: str, model: type[M], expected: str) -> M:
+    """YAML text → a validated model; every problem is reported at its file:line:column."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -66,9 +74,9 @@ def parse_policy(text: str, name: str) -> Policy:
         line, column = (mark.line + 1, mark.column + 1) if mark else (1, 1)
         raise PolicyError([PolicyProblem(name, line, column, f"invalid YAML: {error.problem}")]) from None
     if root is None or not isinstance(data, dict):
-        raise PolicyError([PolicyProblem(name, 1, 1, "expected a mapping with `rules:`")])
+        raise PolicyError([PolicyProblem(name, 1, 1, f"expected {expected}")])
     try:
-        return Policy.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as error:
         problems = []
         for item in error.errors():
@@ -82,7 +90,7 @@ def parse_policy(text: str, name: str) -> Policy:
             if item["type"] == "extra_forbidden":
                 message = "unknown key"
             elif item["type"] in ("literal_error", "enum") and "expected" in item.get("ctx", {}):
-                message = f"expected {item['ctx']['expected']}"
+                message = f"expected {item['ctx']['expected']}, got {item['input']!r}"
             problems.append(
                 PolicyProblem(
                     name, node.start_mark.line + 1, node.start_mark.column + 1, f"{where}: {message}"

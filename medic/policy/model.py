@@ -5,6 +5,7 @@ Unknown keys are errors everywhere, so a misspelt condition can never silently m
 
 from __future__ import annotations
 
+from datetime import timedelta
 from enum import StrEnum
 from typing import Literal
 
@@ -265,6 +266,12 @@ class Policy(_Strict):
     )
     guardrails: Guardrails = Field(default_factory=Guardrails)
     rules: list[Rule]
+
+    def lookback(self) -> timedelta:
+        """How far back cross-node conditions look: the context a decision needs."""
+        minutes = [c.within_minutes for r in self.rules for c in r.when.count or ()]
+        minutes += [r.when.switch.within_minutes for r in self.rules if r.when.switch]
+        return timedelta(minutes=max(minutes, default=60))
 
     @model_validator(mode="after")
     def _unique_ids(self) -> Policy:

@@ -21,6 +21,7 @@ from medic.intake import Rejection
 from medic.policy.model import Decision
 from medic.store.tables import (
     ActionRecord,
+    BreakerRecord,
     DecisionRecord,
     DiagnosticRecord,
     EventRecord,
@@ -291,6 +292,8 @@ class Store:
             reason=decision.reason,
             matched=decision.matched,
             recommend=decision.recommend,
+            guardrail=decision.guardrail,
+            blocked_action=decision.blocked_action.value if decision.blocked_action else None,
         )
         with self.session() as s:
             s.add(row)
@@ -332,6 +335,50 @@ class Store:
             row.detail = detail
             row.attempts += attempts
             row.finished_at = utcnow()
+            s.add(row)
+            s.commit()
+            return row
+
+    def actions_since(self, since: datetime, actions: Iterable[str]) -> list[ActionRecord]:
+        """Our successful actions of these kinds on any node since a time, oldest first."""
+        query = (
+            select(ActionRecord)
+            .where(col(ActionRecord.action).in_(list(actions)))
+            .where(ActionRecord.status == "succeeded")
+            .where(col(ActionRecord.intent_at) >= since)
+            .order_by(col(ActionRecord.intent_at))
+        )
+        with self.session() as s:
+            return list(s.exec(query))
+
+    def events_between(self, start: datetime, end: datetime) -> list[FaultEvent]:
+        """Every stored event in a time range: the cluster context for cross-node rules."""
+        query = select(EventRecord).where(col(EventRecord.time) >= start).where(col(EventRecord.time) <= end)
+        with self.session() as s:
+            return [_event_of(r) for r in s.exec(query)]
+
+    # --- the circuit breaker: opened by a storm, closed only by a human ---------------------
+
+    def open_breaker(self, reason: str, incident_id: str | None = None) -> BreakerRecord:
+        with self.session() as s:
+            current = s.exec(select(BreakerRecord).where(col(BreakerRecord.closed_at).is_(None))).first()
+            if current is not None:
+                return current
+            row = BreakerRecord(opened_at=utcnow(), reason=reason, incident_id=incident_id)
+            s.add(row)
+            s.commit()
+            return row
+
+    def open_breaker_record(self) -> BreakerRecord | None:
+        with self.session() as s:
+            return s.exec(select(BreakerRecord).where(col(BreakerRecord.closed_at).is_(None))).first()
+
+    def close_breaker(self, by: str) -> BreakerRecord | None:
+        with self.session() as s:
+            row = s.exec(select(BreakerRecord).where(col(BreakerRecord.closed_at).is_(None))).first()
+            if row is None:
+                return None
+            row.closed_at, row.closed_by = utcnow(), by
             s.add(row)
             s.commit()
             return row

@@ -114,6 +114,8 @@ class DecisionRecord(SQLModel, table=True):
     reason: str = Field(sa_column=Column(Text, nullable=False))
     matched: list[str] | None = _json()
     recommend: list[str] | None = _json()
+    guardrail: str | None = None
+    blocked_action: str | None = None
 
 
 class ActionRecord(SQLModel, table=True):
@@ -135,3 +137,16 @@ class ActionRecord(SQLModel, table=True):
     intent_at: datetime = _time()
     finished_at: datetime | None = _time(nullable=True)
     detail: str = Field(default="", sa_column=Column(Text, nullable=False))
+
+
+class BreakerRecord(SQLModel, table=True):
+    """The circuit breaker's history: a row per opening, closed by a named human."""
+
+    __tablename__ = "breaker"
+
+    id: int | None = Field(default=None, primary_key=True)
+    opened_at: datetime = _time()
+    reason: str = Field(sa_column=Column(Text, nullable=False))
+    incident_id: str | None = None
+    closed_at: datetime | None = _time(nullable=True)
+    closed_by: str | None = None

@@ -1,0 +1,251 @@
+"""A `NodeProvider` for plain EC2 GPU instances, optionally in Auto Scaling groups, through boto3.
+
+Node names map to instance ids through an explicit mapping, or by discovery among live instances
+(pending, running, stopping, stopped): first by a name tag (`Name` unless configured), then by private
+DNS name, full (ip-10-1-2-3.ec2.internal) or short (ip-10-1-2-3, matched with EC2's wildcard filter).
+More than one match is an error, never a guess.
+
+`replace` on an instance in an Auto Scaling group marks it Unhealthy so that the group terminates it and
+launches a replacement; `wait_ready` then waits for the new InService instance, maps the node to it and,
+when the node was found by its name tag, tags the replacement with the same name so that later processes
+find it too. An instance in no group is terminated and nothing replaces it. EC2 has no GPU reset API:
+`reset_gpu` reboots the instance, which resets every GPU in it, and says so in its result.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.client import BaseClient
+
+from integrations.aws_clients import aws_client, node_map
+from integrations.aws_retry import Retrier, RetryPolicy
+from integrations.polling import poll
+from integrations.provider_errors import ProviderError, UnknownNodeError
+
+log = logging.getLogger(__name__)
+
+NAME_TAG_VAR = "MEDIC_EC2_NAME_TAG"
+LIVE_STATES = ["pending", "running", "stopping", "stopped"]
+GONE_STATES = {"shutting-down", "terminated"}
+# With any of these suspended, an instance marked Unhealthy is never replaced.
+REPLACING_PROCESSES = {"ReplaceUnhealthy", "Launch", "Terminate"}
+
+
+@dataclass(frozen=True, slots=True)
+class PendingReplacement:
+    group: str
+    old_id: str
+    members_before: frozenset[str]
+
+
+class Ec2Provider:
+    def __init__(
+        self,
+        ec2: BaseClient,
+        autoscaling: BaseClient | None = None,
+        instance_ids: Mapping[str, str] | None = None,
+        *,
+        name_tag: str = "Name",
+        retry: RetryPolicy | None = None,
+        poll_interval_s: float = 15.0,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`instance_ids` maps node names to instance ids; None discovers them (see the module doc).
+
+        Without an `autoscaling` client every instance is treated as one in no group.
+        """
+        self.ec2 = ec2
+        self.autoscaling = autoscaling
+        self.name_tag = name_tag
+        self._discover = instance_ids is None
+        self._ids: dict[str, str] = dict(instance_ids or {})
+        self._named_by_tag: set[str] = set()
+        self._pending: dict[str, PendingReplacement] = {}
+        self._retrier = Retrier(retry or RetryPolicy(), sleep)
+        self._poll_interval_s = poll_interval_s
+        self._sleep = sleep
+        self._clock = clock
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Ec2Provider:
+        """AWS_REGION, MEDIC_EC2_NAME_TAG (default Name), MEDIC_AWS_NODE_MAP (optional, else discovery)."""
+        return cls(
+            aws_client("ec2", env),
+            aws_client("autoscaling", env),
+            node_map(env),
+            name_tag=env.get(NAME_TAG_VAR) or "Name",
+        )
+
+    # NodeProvider
+
+    def reset_gpu(self, node: str, gpu: int | None) -> str:
+        done = self.reboot(node)
+        which = "its GPUs" if gpu is None else f"GPU {gpu} (with every other GPU on the instance)"
+        return f"EC2 has no GPU reset API, so the instance was rebooted to reset {which}: {done}"
+
+    def reboot(self, node: str) -> str:
+        instance_id = self.instance_id(node)
+        self._retrier.call(self.ec2.reboot_instances, InstanceIds=[instance_id])
+        return f"EC2 accepted the reboot of {node} ({instance_id})"
+
+    def replace(self, node: str) -> str:
+        instance_id = self.instance_id(node)
+        group = self._group_of(instance_id)
+        if group is None:
+            self._retrier.call(self.ec2.terminate_instances, InstanceIds=[instance_id])
+            return (
+                f"terminated {node} ({instance_id}); it is in no Auto Scaling group, so nothing replaces it:"
+                " launch a new node yourself"
+            )
+        described = self._retrier.call(
+            self.autoscaling.describe_auto_scaling_groups, AutoScalingGroupNames=[group]
+        )
+        (details,) = described["AutoScalingGroups"]
+        suspended = REPLACING_PROCESSES & {p["ProcessName"] for p in details.get("SuspendedProcesses", [])}
+        if suspended:
+            raise ProviderError(
+                f"{node} ({instance_id}) not marked Unhealthy: Auto Scaling group {group} has"
+                f" {', '.join(sorted(suspended))} suspended, so it would not be replaced"
+            )
+        members = frozenset(i["InstanceId"] for i in details["Instances"])
+        self._retrier.call(
+            self.autoscaling.set_instance_health,
+            InstanceId=instance_id,
+            HealthStatus="Unhealthy",
+            ShouldRespectGracePeriod=False,
+        )
+        self._pending[node] = PendingReplacement(group, instance_id, members)
+        return (
+            f"marked {node} ({instance_id}) Unhealthy in Auto Scaling group {group}; the group terminates it"
+            " and launches a replacement"
+        )
+
+    def wait_ready(self, node: str, timeout_s: float) -> bool:
+        """True once the node's instance is running with both status checks ok; False after `timeout_s`
+        or at once if the instance is gone for good (terminated). A pending replacement is waited for
+        first."""
+        deadline = self._clock() + timeout_s
+        if node in self._pending and self.wait_replacement(node, timeout_s) is None:
+            return False
+        instance_id = self.instance_id(node)
+        remaining = max(0.0, deadline - self._clock())
+        ready = poll(
+            lambda: self._readiness(instance_id), remaining, self._poll_interval_s, self._sleep, self._clock
+        )
+        return ready is True
+
+    # Replacement
+
+    def wait_replacement(self, node: str, timeout_s: float) -> str | None:
+        """The instance id that replaced `node` in its Auto Scaling group (the node maps to it from now
+        on), or None if none is InService and Healthy within `timeout_s`."""
+        pending = self._pending.get(node)
+        if pending is None:
+            raise ProviderError(f"no replacement of {node} is pending")
+        new_id = poll(
+            lambda: self._replacement(pending), timeout_s, self._poll_interval_s, self._sleep, self._clock
+        )
+        if new_id is None:
+            return None
+        del self._pending[node]
+        self._ids[node] = new_id
+        if node in self._named_by_tag:
+            self._retrier.call(
+                self.ec2.create_tags, Resources=[new_id], Tags=[{"Key": self.name_tag, "Value": node}]
+            )
+        log.info("%s: %s replaced by %s in %s", node, pending.old_id, new_id, pending.group)
+        return new_id
+
+    def _replacement(self, pending: PendingReplacement) -> str | None:
+        described = self._retrier.call(
+            self.autoscaling.describe_auto_scaling_groups, AutoScalingGroupNames=[pending.group]
+        )
+        # Several nodes of one group may be replaced at once: skip instances other nodes already claim.
+        claimed = pending.members_before | set(self._ids.values())
+        fresh = sorted(
+            i["InstanceId"]
+            for group in described["AutoScalingGroups"]
+            for i in group["Instances"]
+            if i["LifecycleState"] == "InService"
+            and i["HealthStatus"] == "Healthy"
+            and i["InstanceId"] not in claimed
+        )
+        return fresh[0] if fresh else None
+
+    def _group_of(self, instance_id: str) -> str | None:
+        if self.autoscaling is None:
+            return None
+        found = self._retrier.call(
+            self.autoscaling.describe_auto_scaling_instances, InstanceIds=[instance_id]
+        )
+        return (
+            found["AutoScalingInstances"][0]["AutoScalingGroupName"]
+            if found["AutoScalingInstances"]
+            else None
+        )
+
+    # Readiness
+
+    def _readiness(self, instance_id: str) -> bool | None:
+        """True: ready. False: gone for good. None: not yet."""
+        (instance,) = self._instances(InstanceIds=[instance_id])
+        state = instance["State"]["Name"]
+        if state in GONE_STATES:
+            return False
+        if state != "running":
+            return None
+        statuses = self._retrier.call(self.ec2.describe_instance_status, InstanceIds=[instance_id])[
+            "InstanceStatuses"
+        ]
+        checks_ok = bool(statuses) and all(
+            statuses[0][check]["Status"] == "ok" for check in ("InstanceStatus", "SystemStatus")
+        )
+        return True if checks_ok else None
+
+    # Names and ids
+
+    def instance_id(self, node: str) -> str:
+        if node in self._ids:
+            return self._ids[node]
+        if not self._discover:
+            raise UnknownNodeError(f"{node!r} is not in the configured instance map")
+        self._ids[node] = self._find(node)
+        return self._ids[node]
+
+    def _find(self, node: str) -> str:
+        searches = (
+            (f"tag:{self.name_tag}", [node], True),
+            ("private-dns-name", [node, f"{node}.*"], False),
+        )
+        for filter_name, values, by_tag in searches:
+            found = [
+                i["InstanceId"] for i in self._instances(Filters=[{"Name": filter_name, "Values": values}])
+            ]
+            if len(found) > 1:
+                raise ProviderError(
+                    f"{node!r} is ambiguous: {filter_name} matches {', '.join(sorted(found))}"
+                )
+            if found:
+                if by_tag:
+                    self._named_by_tag.add(node)
+                return found[0]
+        raise UnknownNodeError(
+            f"no live EC2 instance has tag {self.name_tag}={node} or private DNS name {node}"
+        )
+
+    def _instances(self, **request: Any) -> list[dict[str, Any]]:
+        if "Filters" in request:
+            request["Filters"] = [*request["Filters"], {"Name": "instance-state-name", "Values": LIVE_STATES}]
+        instances: list[dict[str, Any]] = []
+        while True:
+            page = self._retrier.call(self.ec2.describe_instances, **request)
+            instances += [i for reservation in page["Reservations"] for i in reservation["Instances"]]
+            if not page.get("NextToken"):
+                return instances
+            request["NextToken"] = page["NextToken"]

@@ -1,0 +1,32 @@
+"""Slurm backends: `SlurmScheduler` (a `Scheduler`) and `SlurmRebootProvider` (a `NodeProvider`).
+
+Both drive Slurm's own command-line tools (`scontrol`, `sinfo --json`, `squeue --json`), the same way an
+admin would, through `SlurmCli`; they need no daemon or REST service of their own. Behaviour measured on
+Slurm 22.05 is described in docs/slurm.md.
+"""
+
+from integrations.slurm.cli import SlurmCli
+from integrations.slurm.errors import (
+    NodeHeldByOthersError,
+    NotRequeueableError,
+    ResumeRefusedError,
+    SlurmCommandError,
+    SlurmError,
+    UnknownJobError,
+    UnknownSlurmNodeError,
+)
+from integrations.slurm.provider import SlurmRebootProvider
+from integrations.slurm.scheduler import SlurmScheduler
+
+__all__ = [
+    "NodeHeldByOthersError",
+    "NotRequeueableError",
+    "ResumeRefusedError",
+    "SlurmCli",
+    "SlurmCommandError",
+    "SlurmError",
+    "SlurmRebootProvider",
+    "SlurmScheduler",
+    "UnknownJobError",
+    "UnknownSlurmNodeError",
+]

@@ -1,0 +1,70 @@
+"""Running Slurm's client commands: one place for the environment, timeouts and error messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Mapping
+from typing import Any
+
+from integrations.slurm.errors import SlurmCommandError
+from integrations.slurm.records import SlurmJob, SlurmNode
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class SlurmCli:
+    """Runs `scontrol`, `sinfo` and `squeue` against one cluster.
+
+    `slurm_conf` overrides SLURM_CONF; left None, the commands see the environment as it is when they
+    run, so SLURM_CONF (or the tools' compiled-in default) applies. A slurmctld that does not answer
+    within `timeout_s` is an error, not a hang.
+    """
+
+    def __init__(self, slurm_conf: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.slurm_conf = slurm_conf
+        self.timeout_s = timeout_s
+
+    def _env(self) -> Mapping[str, str]:
+        env = dict(os.environ)
+        if self.slurm_conf:
+            env["SLURM_CONF"] = self.slurm_conf
+        return env
+
+    def run(self, *args: str) -> str:
+        """Run one command; its stdout, or SlurmCommandError carrying what Slurm printed."""
+        command = list(args)
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, timeout=self.timeout_s, env=self._env(), check=False
+            )
+        except FileNotFoundError as error:
+            raise SlurmCommandError(command, f"{command[0]} is not installed or not on PATH") from error
+        except subprocess.TimeoutExpired as error:
+            raise SlurmCommandError(command, f"no answer within {self.timeout_s:.0f} s") from error
+        if done.returncode != 0:
+            said = " ".join((done.stderr + " " + done.stdout).split()) or "no message"
+            raise SlurmCommandError(command, f"rc={done.returncode}: {said}", done.returncode)
+        return done.stdout
+
+    def _json(self, *args: str) -> dict[str, Any]:
+        out = self.run(*args, "--json")
+        try:
+            data = json.loads(out)
+        except json.JSONDecodeError as error:
+            raise SlurmCommandError([*args, "--json"], f"output is not JSON: {out[:200]!r}") from error
+        if data.get("errors"):
+            raise SlurmCommandError([*args, "--json"], f"Slurm reported errors: {data['errors']}")
+        return data
+
+    def nodes(self) -> list[SlurmNode]:
+        # sinfo --json ignores -n and every other filter (22.05): it is always the whole cluster.
+        return [SlurmNode.from_json(raw) for raw in self._json("sinfo")["nodes"]]
+
+    def jobs(self) -> list[SlurmJob]:
+        # Likewise squeue --json ignores -j/-w/-u: all jobs Slurm still remembers (MinJobAge).
+        return [SlurmJob.from_json(raw) for raw in self._json("squeue")["jobs"]]
+
+    def scontrol(self, *args: str) -> str:
+        return self.run("scontrol", *args)

@@ -1,0 +1,179 @@
+"""`medic dcgm ...`: read saved `dcgmi diag -j` output (docs/dcgm.md)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from integrations.dcgm.parse import DcgmOutputError, DiagReport, Status, Verdict, parse_report
+from medic.cli.render import action_text
+from medic.config import load_settings
+from medic.events import FaultEvent
+from medic.policy import LoadedPolicy, PolicyError, load_policy
+from medic.policy.model import Decision
+from medic.triage import triage
+
+dcgm_app = typer.Typer(help="Read DCGM diagnostic output.", no_args_is_help=True)
+
+console = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+STATUS_STYLE = {Status.FAIL: "bold red", Status.WARN: "yellow", Status.PASS: "green", Status.SKIP: "dim"}
+
+
+def _fail(message: str) -> typer.Exit:
+    err.print(f"[red]error:[/red] {escape(message)}")
+    return typer.Exit(2)
+
+
+def _read(file: Path) -> tuple[str, str]:
+    """The text and the node it is about: the file's name, or "node" for standard input."""
+    if str(file) == "-":
+        return sys.stdin.read(), "node"
+    try:
+        return file.read_text(encoding="utf-8", errors="replace"), file.stem[:200] or "node"
+    except OSError as error:
+        raise _fail(f"{file}: {error.strerror or error}") from None
+
+
+def _decide(report: DiagReport, node: str, level: int, loaded: LoadedPolicy) -> Decision:
+    """What the policy decides for an incident holding just this diagnostic (node in service)."""
+    event = FaultEvent(
+        id=f"dcgm-explain-{node}-l{level}",
+        time=datetime.now(UTC),
+        source="dcgmi",
+        kind="diagnostic",
+        node=node,
+        attributes={"level": level, "result": report.verdict.value, "error_ids": list(report.error_ids)},
+    )
+    [(_, decision)] = triage([event], loaded)
+    return decision
+
+
+def _entities_table(report: DiagReport) -> Table:
+    table = Table(title_justify="left")
+    for column in ("entity", "status", "test", "error", "DCGM severity", "category", "message"):
+        table.add_column(column, overflow="fold")
+    for entity in report.entities():
+        name, status = f"{entity.group} {entity.entity_id}", entity.status
+        styled = f"[{STATUS_STYLE[status]}]{status.value}[/]"
+        if not entity.findings:
+            table.add_row(name, styled, "", "", "", "", "")
+        for finding in entity.findings:
+            table.add_row(
+                name,
+                styled,
+                finding.test,
+                f"{finding.name} ({finding.error_id})",
+                finding.severity.value,
+                finding.category,
+                escape(finding.message),
+            )
+    return table
+
+
+@dataclass(frozen=True, slots=True)
+class Explained:
+    file: Path
+    node: str
+    level: int | None
+    report: DiagReport
+    loaded: LoadedPolicy
+    decision: Decision | None  # None when the run gave no verdict
+
+
+def _print(x: Explained) -> None:
+    report, loaded, decision = x.report, x.loaded, x.decision
+    versions = f"DCGM {report.dcgm_version or '?'}, driver {report.driver_version or '?'}"
+    console.print(
+        f"[bold]{escape(str(x.file))}[/bold] (node {escape(x.node)}): level {x.level or '?'}, {versions}"
+    )
+    if report.tests:
+        console.print(_entities_table(report))
+    verdict = report.verdict.value.upper()
+    console.print(f"Verdict: [bold]{verdict}[/bold], {escape(report.reason)}")
+    if report.error_ids:
+        worst = report.worst_severity.value if report.worst_severity else "-"
+        console.print(f"Failing errors: {', '.join(report.error_ids)}; worst DCGM severity {worst}")
+    if decision is None:
+        console.print(
+            "Decision: none; DCGM did not run, so there is no verdict about the GPUs (the flow escalates)"
+        )
+        return
+    console.print(
+        f"Decision ({escape(loaded.path)}, {loaded.sha256[:12]}): ",
+        action_text(decision.action.value),
+        f" ({decision.classification.value}) by rule {decision.rule}: {escape(decision.reason)}",
+        sep="",
+    )
+    for line in decision.recommend:
+        console.print(f"  • {escape(line)}")
+
+
+def _as_json(x: Explained) -> dict[str, Any]:
+    report = x.report
+    return {
+        "file": str(x.file),
+        "node": x.node,
+        "level": x.level,
+        "dcgm_version": report.dcgm_version,
+        "driver_version": report.driver_version,
+        "verdict": report.verdict.value,
+        "reason": report.reason,
+        "error_ids": list(report.error_ids),
+        "worst_severity": report.worst_severity.value if report.worst_severity else None,
+        "entities": [asdict(e) for e in report.entities()],
+        "policy": {"path": x.loaded.path, "sha256": x.loaded.sha256},
+        "decision": x.decision.model_dump(mode="json") if x.decision else None,
+    }
+
+
+@dcgm_app.command("explain")
+def explain(
+    file: Annotated[
+        Path, typer.Argument(help="Saved output of `dcgmi diag -r N -j`; - reads standard input.")
+    ],
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object instead of tables.")] = False,
+    policy: Annotated[
+        Path | None,
+        typer.Option("--policy", "-p", help="Policy file (default: $MEDIC_POLICY or policies/default.yaml)."),
+    ] = None,
+    level: Annotated[
+        int | None,
+        typer.Option(
+            min=1, max=4, help="The -r level it was run at (default: read from the tests that ran)."
+        ),
+    ] = None,
+) -> None:
+    """The verdict per GPU, each error's DCGM severity and category, and the policy's decision."""
+    text, node = _read(file)
+    try:
+        report = parse_report(text)
+    except DcgmOutputError as error:
+        raise _fail(f"{file}: not usable dcgmi diag output: {error}") from None
+    try:
+        loaded = load_policy(policy or load_settings().policy_path)
+    except PolicyError as error:
+        raise _fail(f"policy error\n{error}") from None
+    level = level or report.level
+    decision = None
+    if report.verdict is not Verdict.ERROR:
+        if level is None:
+            raise _fail(
+                f"{file}: no test tells the level ({', '.join(t.name for t in report.tests)}); pass --level"
+            )
+        decision = _decide(report, node, level, loaded)
+    explained = Explained(file, node, level, report, loaded, decision)
+    if as_json:
+        sys.stdout.write(json.dumps(_as_json(explained)) + "\n")
+    else:
+        _print(explained)

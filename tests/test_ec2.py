@@ -1,0 +1,243 @@
+"""Ec2Provider against moto's server (a real HTTP endpoint on 127.0.0.1) through real boto3 clients.
+
+What moto does and does not do, as found here: RebootInstances, TerminateInstances, SetInstanceHealth,
+DescribeInstanceStatus (running instances report both checks ok) and tag/DNS filters work. SetInstanceHealth
+only records Unhealthy: moto's Auto Scaling never acts on it, whereas AWS terminates the instance and
+launches a replacement. moto does launch a replacement when an Auto Scaling instance is terminated, so
+the ASG test performs that one step of AWS's itself and lets moto do the rest. moto ignores wildcards in
+the private-dns-name filter, so short hostnames (ip-10-1-2-3) are not exercised here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from botocore.client import BaseClient
+
+from integrations.ec2 import Ec2Provider
+from integrations.protocols import NodeProvider
+from integrations.provider_errors import ProviderError, UnknownNodeError
+
+REGION = "us-east-1"
+AMI = "ami-12345678"
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("moto") / "server.log"
+    with log_path.open("w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"moto_server did not start:\n{log_path.read_text()}")
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+@pytest.fixture
+def endpoint(moto_endpoint: str) -> str:
+    """Each test starts with an empty AWS."""
+    urllib.request.urlopen(urllib.request.Request(f"{moto_endpoint}/moto-api/reset", method="POST")).close()
+    return moto_endpoint
+
+
+def client(service: str, endpoint: str) -> BaseClient:
+    session = boto3.session.Session(
+        aws_access_key_id="testing", aws_secret_access_key="testing", region_name=REGION
+    )
+    return session.client(service, endpoint_url=endpoint)
+
+
+@pytest.fixture
+def ec2(endpoint: str) -> BaseClient:
+    return client("ec2", endpoint)
+
+
+@pytest.fixture
+def autoscaling(endpoint: str) -> BaseClient:
+    return client("autoscaling", endpoint)
+
+
+def provider(
+    ec2: BaseClient, autoscaling: BaseClient | None, ids: dict[str, str] | None = None
+) -> Ec2Provider:
+    return Ec2Provider(ec2, autoscaling, ids, poll_interval_s=0.05)
+
+
+def launch(ec2: BaseClient, *names: str) -> list[str]:
+    reservation = ec2.run_instances(
+        ImageId=AMI, InstanceType="p5.48xlarge", MinCount=len(names), MaxCount=len(names)
+    )
+    ids = [i["InstanceId"] for i in reservation["Instances"]]
+    for instance_id, name in zip(ids, names, strict=True):
+        ec2.create_tags(Resources=[instance_id], Tags=[{"Key": "Name", "Value": name}])
+    return ids
+
+
+def record_calls(api: BaseClient, operation: str) -> list[dict[str, Any]]:
+    """The parameters of every `operation` request the client sends, taken from botocore's own events."""
+    calls: list[dict[str, Any]] = []
+    service = api.meta.service_model.service_name
+    api.meta.events.register(
+        f"provide-client-params.{service}.{operation}", lambda params, **_: calls.append(dict(params))
+    )
+    return calls
+
+
+def state(ec2: BaseClient, instance_id: str) -> str:
+    reservations = ec2.describe_instances(InstanceIds=[instance_id])["Reservations"]
+    return reservations[0]["Instances"][0]["State"]["Name"]
+
+
+def test_reboot_finds_the_node_by_name_tag(ec2: BaseClient, autoscaling: BaseClient) -> None:
+    _, b = launch(ec2, "gpu-a", "gpu-b")
+    reboots = record_calls(ec2, "RebootInstances")
+    medic = provider(ec2, autoscaling)
+    assert isinstance(medic, NodeProvider)
+    assert medic.reboot("gpu-b") == f"EC2 accepted the reboot of gpu-b ({b})"
+    assert reboots == [{"InstanceIds": [b]}]
+    assert medic.wait_ready("gpu-b", timeout_s=5)
+
+
+def test_reset_gpu_reboots_and_says_so(ec2: BaseClient) -> None:
+    (a,) = launch(ec2, "gpu-a")
+    reboots = record_calls(ec2, "RebootInstances")
+    done = provider(ec2, None).reset_gpu("gpu-a", 0)
+    assert done.startswith("EC2 has no GPU reset API, so the instance was rebooted to reset GPU 0")
+    assert reboots == [{"InstanceIds": [a]}]
+
+
+def test_discovery_by_private_dns_name(ec2: BaseClient) -> None:
+    reservation = ec2.run_instances(ImageId=AMI, MinCount=2, MaxCount=2)  # untagged
+    second = reservation["Instances"][1]
+    assert provider(ec2, None).instance_id(second["PrivateDnsName"]) == second["InstanceId"]
+
+
+def test_unknown_and_ambiguous_nodes(ec2: BaseClient) -> None:
+    (a,) = launch(ec2, "gpu-a")
+    with pytest.raises(UnknownNodeError, match="tag Name=gpu-x"):
+        provider(ec2, None).reboot("gpu-x")
+    with pytest.raises(UnknownNodeError, match="instance map"):
+        provider(ec2, None, {"gpu-a": a}).reboot("gpu-b")
+    launch(ec2, "gpu-a")
+    with pytest.raises(ProviderError, match="ambiguous"):
+        provider(ec2, None).reboot("gpu-a")
+
+
+def test_plain_instance_is_terminated_and_not_replaced(ec2: BaseClient, autoscaling: BaseClient) -> None:
+    (a,) = launch(ec2, "gpu-a")
+    sleeps: list[float] = []
+    medic = Ec2Provider(ec2, autoscaling, {"gpu-a": a}, sleep=sleeps.append)
+    done = medic.replace("gpu-a")
+    assert "in no Auto Scaling group, so nothing replaces it" in done
+    assert state(ec2, a) in ("shutting-down", "terminated")
+    assert not medic.wait_ready("gpu-a", timeout_s=600)  # gone for good: no waiting
+    assert sleeps == []
+
+
+def make_group(ec2: BaseClient, autoscaling: BaseClient, names: tuple[str, ...]) -> dict[str, str]:
+    """An Auto Scaling group of len(names) GPU instances, each tagged with its own node name (as a
+    launch hook would), returned as name -> instance id."""
+    ec2.create_launch_template(
+        LaunchTemplateName="gpu", LaunchTemplateData={"ImageId": AMI, "InstanceType": "p5.48xlarge"}
+    )
+    autoscaling.create_auto_scaling_group(
+        AutoScalingGroupName="gpus",
+        LaunchTemplate={"LaunchTemplateName": "gpu", "Version": "$Latest"},
+        MinSize=len(names),
+        MaxSize=len(names),
+        DesiredCapacity=len(names),
+        AvailabilityZones=[f"{REGION}a"],
+    )
+    group = autoscaling.describe_auto_scaling_groups(AutoScalingGroupNames=["gpus"])["AutoScalingGroups"][0]
+    ids = dict(zip(names, sorted(i["InstanceId"] for i in group["Instances"]), strict=True))
+    for name, instance_id in ids.items():
+        ec2.create_tags(Resources=[instance_id], Tags=[{"Key": "Name", "Value": name}])
+    return ids
+
+
+def health(autoscaling: BaseClient, instance_id: str) -> str:
+    (found,) = autoscaling.describe_auto_scaling_instances(InstanceIds=[instance_id])["AutoScalingInstances"]
+    return found["HealthStatus"]
+
+
+def test_asg_instance_is_marked_unhealthy_and_its_replacement_followed(
+    ec2: BaseClient, autoscaling: BaseClient
+) -> None:
+    ids = make_group(ec2, autoscaling, ("gpu-a", "gpu-b"))
+    old = ids["gpu-a"]
+    medic = provider(ec2, autoscaling)
+    done = medic.replace("gpu-a")
+    assert done.startswith(f"marked gpu-a ({old}) Unhealthy in Auto Scaling group gpus")
+    assert health(autoscaling, old) == "Unhealthy"
+    assert health(autoscaling, ids["gpu-b"]) == "Healthy"
+    # The unhealthy old instance is still InService: it must not pass for the node being back.
+    assert not medic.wait_ready("gpu-a", timeout_s=0.2)
+
+    ec2.terminate_instances(InstanceIds=[old])  # AWS's part, which moto leaves out; moto then relaunches
+
+    assert medic.wait_ready("gpu-a", timeout_s=5)
+    new = medic.instance_id("gpu-a")
+    assert new not in ids.values()
+    assert medic.instance_id("gpu-b") == ids["gpu-b"]
+    # The replacement carries the node's name, so another process finds it too.
+    assert provider(ec2, autoscaling).instance_id("gpu-a") == new
+
+
+def test_no_unhealthy_mark_when_the_group_would_not_replace(ec2: BaseClient, autoscaling: BaseClient) -> None:
+    ids = make_group(ec2, autoscaling, ("gpu-a",))
+    autoscaling.suspend_processes(AutoScalingGroupName="gpus", ScalingProcesses=["ReplaceUnhealthy"])
+    with pytest.raises(ProviderError, match="ReplaceUnhealthy suspended"):
+        provider(ec2, autoscaling).replace("gpu-a")
+    assert health(autoscaling, ids["gpu-a"]) == "Healthy"
+
+
+def test_from_env_uses_the_standard_credential_chain(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": REGION,
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "MEDIC_EC2_NAME_TAG": "medic-node",
+    }.items():
+        monkeypatch.setenv(name, value)
+    ec2 = client("ec2", endpoint)
+    (a,) = [i["InstanceId"] for i in ec2.run_instances(ImageId=AMI, MinCount=1, MaxCount=1)["Instances"]]
+    ec2.create_tags(Resources=[a], Tags=[{"Key": "medic-node", "Value": "gpu-7"}])
+    medic = Ec2Provider.from_env(os.environ)
+    assert medic.autoscaling is not None
+    assert a in medic.reboot("gpu-7")

@@ -1,0 +1,313 @@
+"""HyperPodProvider against a real boto3 SageMaker client whose calls botocore's Stubber answers.
+
+moto does not implement the batch reboot/replace APIs, so the Stubber plays AWS: it checks every request
+and canned response against the SageMaker service model botocore ships. What it does not check (the
+25-id limit, the id pattern) the provider must, and these tests hold it to that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import boto3
+import pytest
+from botocore.client import BaseClient
+from botocore.stub import Stubber
+
+from integrations.aws_retry import RetryPolicy
+from integrations.hyperpod import HyperPodProvider
+from integrations.protocols import NodeProvider
+from integrations.provider_errors import InvalidNodeIdError, NodeActionError, UnknownNodeError
+
+CLUSTER = "train-p5"
+
+
+def iid(n: int) -> str:
+    return f"i-{n:017x}"
+
+
+class FakeTime:
+    """A clock that moves only when slept on, so waits and backoff cost no real time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+    def clock(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def client() -> BaseClient:
+    session = boto3.session.Session(
+        aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+    )
+    return session.client("sagemaker")
+
+
+@pytest.fixture
+def stub(client: BaseClient) -> Iterator[Stubber]:
+    with Stubber(client) as stubber:
+        yield stubber
+        stubber.assert_no_pending_responses()
+
+
+@pytest.fixture
+def fake_time() -> FakeTime:
+    return FakeTime()
+
+
+def provider(
+    client: BaseClient, fake_time: FakeTime, node_ids: dict[str, str] | None, attempts: int = 4
+) -> HyperPodProvider:
+    return HyperPodProvider(
+        client,
+        CLUSTER,
+        node_ids,
+        retry=RetryPolicy(attempts=attempts, base_s=1.0, cap_s=8.0),
+        poll_interval_s=10.0,
+        sleep=fake_time.sleep,
+        clock=fake_time.clock,
+    )
+
+
+def expect_batch(stub: Stubber, op: str, ids: list[str], failed: list[dict[str, str]] | None = None) -> None:
+    failed = failed or []
+    failed_ids = {f["NodeId"] for f in failed}
+    response: dict[str, object] = {"Failed": failed}
+    if ok := [i for i in ids if i not in failed_ids]:
+        response["Successful"] = ok
+    stub.add_response(op, response, {"ClusterName": CLUSTER, "NodeIds": ids})
+
+
+def expect_throttled(stub: Stubber, op: str, ids: list[str]) -> None:
+    stub.add_client_error(
+        op,
+        service_error_code="ThrottlingException",
+        service_message="Rate exceeded",
+        http_status_code=400,
+        expected_params={"ClusterName": CLUSTER, "NodeIds": ids},
+    )
+
+
+def summary(instance_id: str, ip: str, logical: str | None = None) -> dict[str, object]:
+    node: dict[str, object] = {
+        "InstanceGroupName": "workers",
+        "InstanceId": instance_id,
+        "InstanceType": "ml.p5.48xlarge",
+        "LaunchTime": datetime(2026, 11, 1, tzinfo=UTC),
+        "InstanceStatus": {"Status": "Running"},
+        "PrivateDnsHostname": f"ip-{ip.replace('.', '-')}.ec2.internal",
+    }
+    if logical:
+        node["NodeLogicalId"] = logical
+    return node
+
+
+def expect_listing(stub: Stubber, pages: list[list[dict[str, object]]]) -> None:
+    for number, nodes in enumerate(pages):
+        params: dict[str, object] = {"ClusterName": CLUSTER, "IncludeNodeLogicalIds": True}
+        if number:
+            params["NextToken"] = f"page-{number}"
+        response: dict[str, object] = {"ClusterNodeSummaries": nodes}
+        if number + 1 < len(pages):
+            response["NextToken"] = f"page-{number + 1}"
+        stub.add_response("list_cluster_nodes", response, params)
+
+
+def expect_status(stub: Stubber, instance_id: str, status: str) -> None:
+    stub.add_response(
+        "describe_cluster_node",
+        {"NodeDetails": {"InstanceId": instance_id, "InstanceStatus": {"Status": status}}},
+        {"ClusterName": CLUSTER, "NodeId": instance_id},
+    )
+
+
+def test_reboot_one_node(client: BaseClient, stub: Stubber, fake_time: FakeTime) -> None:
+    hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    assert isinstance(hp, NodeProvider)
+    expect_batch(stub, "batch_reboot_cluster_nodes", [iid(1)])
+    assert hp.reboot("gpu-1") == f"HyperPod accepted the reboot of gpu-1 ({iid(1)})"
+    assert fake_time.sleeps == []
+
+
+def test_sixty_nodes_go_in_chunks_of_25(client: BaseClient, stub: Stubber, fake_time: FakeTime) -> None:
+    ids = {f"gpu-{n:02d}": iid(n) for n in range(60)}
+    hp = provider(client, fake_time, ids)
+    all_ids = list(ids.values())
+    for chunk in (all_ids[:25], all_ids[25:50], all_ids[50:]):
+        expect_batch(stub, "batch_replace_cluster_nodes", chunk)
+    outcomes = hp.batch_replace(ids)
+    assert len(outcomes) == 60
+    assert all(o.ok for o in outcomes.values())
+    assert outcomes["gpu-59"].node_id == iid(59)
+
+
+def test_partial_failure_is_reported_per_node_and_not_retried(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime
+) -> None:
+    hp = provider(client, fake_time, {"a": iid(1), "b": iid(2), "c": iid(3)})
+    failure = {"NodeId": iid(2), "ErrorCode": "InvalidInstanceStatus", "Message": "node is pending"}
+    expect_batch(stub, "batch_reboot_cluster_nodes", [iid(1), iid(2), iid(3)], failed=[failure])
+    outcomes = hp.batch_reboot(["a", "b", "c"])
+    assert [outcomes[n].ok for n in "abc"] == [True, False, True]
+    assert outcomes["b"].code == "InvalidInstanceStatus"
+    assert outcomes["b"].detail == "node is pending"
+    # One call only (the Stubber would fail on a second): neither the failed node nor the others re-sent.
+
+    expect_batch(stub, "batch_reboot_cluster_nodes", [iid(2)], failed=[failure])
+    with pytest.raises(NodeActionError) as raised:
+        hp.reboot("b")
+    assert (raised.value.node, raised.value.code) == ("b", "InvalidInstanceStatus")
+
+
+def test_throttling_is_retried_with_growing_jittered_backoff(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime
+) -> None:
+    hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    expect_throttled(stub, "batch_reboot_cluster_nodes", [iid(1)])
+    expect_throttled(stub, "batch_reboot_cluster_nodes", [iid(1)])
+    expect_batch(stub, "batch_reboot_cluster_nodes", [iid(1)])
+    assert "accepted the reboot" in hp.reboot("gpu-1")
+    first, second = fake_time.sleeps
+    assert 0.5 <= first <= 1.0  # step 1 s: half of it plus up to half again
+    assert 1.0 <= second <= 2.0  # step 2 s
+
+
+def test_throttling_forever_gives_up_after_the_attempt_bound(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime
+) -> None:
+    hp = provider(client, fake_time, {"gpu-1": iid(1)}, attempts=3)
+    for _ in range(3):
+        expect_throttled(stub, "batch_replace_cluster_nodes", [iid(1)])
+    with pytest.raises(NodeActionError) as raised:
+        hp.replace("gpu-1")
+    assert raised.value.code == "ThrottlingException"
+    assert "after 3 attempts" in raised.value.message
+    assert len(fake_time.sleeps) == 2
+
+
+def test_a_throttled_chunk_fails_alone(client: BaseClient, stub: Stubber, fake_time: FakeTime) -> None:
+    ids = {f"gpu-{n:02d}": iid(n) for n in range(30)}
+    hp = provider(client, fake_time, ids, attempts=1)
+    all_ids = list(ids.values())
+    expect_batch(stub, "batch_reboot_cluster_nodes", all_ids[:25])
+    expect_throttled(stub, "batch_reboot_cluster_nodes", all_ids[25:])
+    outcomes = hp.batch_reboot(ids)
+    assert sum(o.ok for o in outcomes.values()) == 25
+    assert {o.code for o in outcomes.values() if not o.ok} == {"ThrottlingException"}
+
+
+@pytest.mark.parametrize(
+    "bad_id",
+    ["i-0123456789abcdef", "i-0123456789ABCDEF0", "0123456789abcdef0", "i-0123456789abcdef0 "],
+)
+def test_malformed_ids_are_rejected_before_any_call(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime, bad_id: str
+) -> None:
+    with pytest.raises(InvalidNodeIdError):
+        provider(client, fake_time, {"gpu-1": iid(1), "gpu-2": bad_id})
+
+
+def test_a_malformed_discovered_id_stops_the_whole_batch(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime
+) -> None:
+    expect_listing(stub, [[summary(iid(1), "10.1.0.1"), summary("i-bad", "10.1.0.2")]])
+    hp = provider(client, fake_time, None)
+    with pytest.raises(InvalidNodeIdError):
+        hp.batch_reboot(["ip-10-1-0-1", "ip-10-1-0-2"])  # no batch call queued: none may be made
+
+
+def test_bad_cluster_name_is_rejected(client: BaseClient, fake_time: FakeTime) -> None:
+    with pytest.raises(ValueError, match="cluster"):
+        HyperPodProvider(client, "not a cluster!", {})
+
+
+def test_names_are_discovered_across_pages(client: BaseClient, stub: Stubber, fake_time: FakeTime) -> None:
+    expect_listing(
+        stub,
+        [
+            [summary(iid(1), "10.1.0.1"), summary(iid(2), "10.1.0.2", logical="workers-2")],
+            [summary(iid(3), "10.1.0.3")],
+        ],
+    )
+    hp = provider(client, fake_time, None)
+    assert hp.node_id("ip-10-1-0-3") == iid(3)  # the Slurm-style short hostname, found on page 2
+    assert hp.node_id("ip-10-1-0-1.ec2.internal") == iid(1)
+    assert hp.node_id("workers-2") == iid(2)
+    assert hp.node_id(iid(2)) == iid(2)
+    expect_batch(stub, "batch_reboot_cluster_nodes", [iid(3)])
+    assert iid(3) in hp.reboot("ip-10-1-0-3")
+
+    # An unknown name is looked up afresh once (the cluster may have grown), then refused.
+    expect_listing(stub, [[summary(iid(1), "10.1.0.1")]])
+    with pytest.raises(UnknownNodeError, match="ip-10-9-9-9"):
+        hp.reboot("ip-10-9-9-9")
+
+
+def test_wait_ready_polls_until_running(client: BaseClient, stub: Stubber, fake_time: FakeTime) -> None:
+    hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    for status in ("ShuttingDown", "Pending", "Running"):
+        expect_status(stub, iid(1), status)
+    assert hp.wait_ready("gpu-1", timeout_s=600)
+    assert fake_time.sleeps == [10.0, 10.0]
+
+
+def test_wait_ready_times_out(client: BaseClient, stub: Stubber, fake_time: FakeTime) -> None:
+    hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    for _ in range(4):  # at t = 0, 10, 20, 25
+        expect_status(stub, iid(1), "Pending")
+    assert not hp.wait_ready("gpu-1", timeout_s=25)
+    assert fake_time.now == 25
+
+
+def test_wait_ready_follows_a_replacement_by_logical_id(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime
+) -> None:
+    expect_listing(stub, [[summary(iid(1), "10.1.0.1", logical="workers-1")]])
+    hp = provider(client, fake_time, None)
+    expect_batch(stub, "batch_replace_cluster_nodes", [iid(1)])
+    hp.replace("workers-1")
+    # The listing still shows the old instance at first: it must not count as the node being back.
+    expect_listing(stub, [[summary(iid(1), "10.1.0.1", logical="workers-1")]])
+    expect_listing(stub, [[summary(iid(7), "10.1.0.7", logical="workers-1")]])
+    expect_status(stub, iid(7), "Pending")
+    expect_status(stub, iid(7), "Running")
+    assert hp.wait_ready("workers-1", timeout_s=600)
+    assert hp.node_id("workers-1") == iid(7)
+
+
+def test_an_explicit_map_cannot_follow_a_replacement(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime
+) -> None:
+    hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    expect_batch(stub, "batch_replace_cluster_nodes", [iid(1)])
+    hp.replace("gpu-1")
+    assert not hp.wait_ready("gpu-1", timeout_s=600)  # at once, and with no API call
+    assert fake_time.now == 0
+
+
+def test_reset_gpu_reboots_and_says_so(client: BaseClient, stub: Stubber, fake_time: FakeTime) -> None:
+    hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    expect_batch(stub, "batch_reboot_cluster_nodes", [iid(1)])
+    done = hp.reset_gpu("gpu-1", 3)
+    assert done.startswith("HyperPod has no GPU reset API, so the node was rebooted")
+    assert "GPU 3" in done
+
+
+def test_from_env(tmp_path: Path) -> None:
+    node_map = tmp_path / "nodes.yaml"
+    node_map.write_text(f"gpu-1: {iid(1)}\n")
+    env = {"MEDIC_HYPERPOD_CLUSTER": CLUSTER, "AWS_REGION": "us-west-2", "MEDIC_AWS_NODE_MAP": str(node_map)}
+    hp = HyperPodProvider.from_env(env)
+    assert hp.client.meta.region_name == "us-west-2"
+    assert hp.cluster_name == CLUSTER
+    assert hp.node_id("gpu-1") == iid(1)
+    with pytest.raises(ValueError, match="MEDIC_HYPERPOD_CLUSTER"):
+        HyperPodProvider.from_env({"AWS_REGION": "us-west-2"})

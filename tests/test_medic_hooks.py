@@ -1,0 +1,194 @@
+"""deployments/training/medic_hooks.py: the events a training loop reports, read back as FaultEvents."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrun_support import TRAINING_DIR, free_port
+
+from medic.events import EventKind, FaultEvent
+
+sys.path.insert(0, str(TRAINING_DIR))
+from medic_hooks import MedicHooks
+
+JOB, NODE, RANK = "llm-7b", "gpu-node-07", 3
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def sink(tmp_path: Path) -> Path:
+    return tmp_path / "events.jsonl"
+
+
+def hooks_for(sink: Path | str, **options: object) -> MedicHooks:
+    return MedicHooks(job=JOB, node=NODE, rank=RANK, sink=sink, **options)  # type: ignore[arg-type]
+
+
+def written(sink: Path) -> list[FaultEvent]:
+    if not sink.exists():
+        return []
+    return [FaultEvent.model_validate_json(line) for line in sink.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("loss", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_loss_is_a_nan_loss_event(sink: Path, loss: float) -> None:
+    hooks = hooks_for(sink, gpu=5)
+    assert hooks.step(41, 2.5, 0.2) == []
+    reported = hooks.step(42, loss, 0.2)
+    [event] = written(sink)
+    assert reported == [event]
+    assert (event.kind, event.iteration, event.rank, event.job, event.node, event.gpu, event.source) == (
+        EventKind.NAN_LOSS,
+        42,
+        RANK,
+        JOB,
+        NODE,
+        5,
+        "job",
+    )
+    assert event.attributes == {"loss": str(loss)}
+
+
+def test_a_slow_step_is_a_straggler_event_at_most_once_per_cooldown(sink: Path) -> None:
+    clock = Clock()
+    hooks = hooks_for(sink, straggler_ratio=1.2, min_history=5, straggler_cooldown_s=60, clock=clock)
+    assert hooks.step(1, 1.0, 9.0) == []  # slow, but there is no baseline yet
+    for step in range(2, 7):
+        assert hooks.step(step, 1.0, 1.0) == []
+    [event] = hooks.step(7, 1.0, 1.5)
+    assert (event.kind, event.iteration, event.rank) == (EventKind.STRAGGLER, 7, RANK)
+    assert event.attributes["step_time_ratio"] == 1.5
+    assert event.attributes["median_step_time_s"] == 1.0
+
+    clock.now += 30
+    assert hooks.step(8, 1.0, 2.0) == []  # still cooling down
+    clock.now += 31
+    [again] = hooks.step(9, 1.0, 2.0)
+    assert again.attributes["step_time_ratio"] == 2.0
+    assert hooks.step(10, 1.0, 1.1) == []  # below the ratio
+    assert written(sink) == [event, again]
+
+
+def test_millisecond_steps_are_never_stragglers(sink: Path) -> None:
+    hooks = hooks_for(sink)
+    for step in range(1, 10):
+        hooks.step(step, 1.0, 0.001)
+    assert hooks.step(10, 1.0, 0.01) == []  # 10x the median, but timer noise at this scale
+
+
+def test_crash_reports_the_exit_code_and_last_step(sink: Path) -> None:
+    hooks = hooks_for(sink)
+    hooks.step(12, 0.5, 1.0)
+    event = hooks.crash(137)
+    assert written(sink) == [event]
+    assert (event.kind, event.iteration, event.attributes) == (EventKind.JOB_CRASH, 12, {"exit_code": 137})
+
+
+def test_a_real_gloo_timeout_is_an_nccl_timeout_event(sink: Path) -> None:
+    # Two gloo ranks in one process; rank 1 never joins the all-reduce, so rank 0 times out.
+    store = dist.HashStore()
+    groups: dict[int, dist.ProcessGroupGloo] = {}
+
+    def join(rank: int) -> None:
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=0.3))
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+
+    hooks = hooks_for(sink)
+    hooks.step(99, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="Timed out") as raised, hooks.watch():
+        groups[0].allreduce([torch.ones(4)]).wait()
+    [event] = written(sink)
+    assert (event.kind, event.iteration, event.rank) == (EventKind.NCCL_TIMEOUT, 99, RANK)
+    assert "Timed out" in event.attributes["message"]
+    assert any(event.id in note for note in raised.value.__notes__)  # the traceback says where it went
+
+
+def test_nccl_errors_and_other_crashes_from_watch(sink: Path) -> None:
+    hooks = hooks_for(sink)
+    with pytest.raises(dist.DistBackendError), hooks.watch():
+        raise dist.DistBackendError("NCCL watchdog: collective operation failed")
+    with pytest.raises(ValueError), hooks.watch():
+        raise ValueError("bad shape")
+    with hooks.watch():
+        pass
+    nccl, crash = written(sink)
+    assert (nccl.kind, nccl.attributes["error"]) == (EventKind.NCCL_TIMEOUT, "DistBackendError")
+    assert (crash.kind, crash.attributes) == (
+        EventKind.JOB_CRASH,
+        {"exit_code": 1, "error": "ValueError", "message": "bad shape"},
+    )
+
+
+def test_the_excepthook_reports_uncaught_errors_once(sink: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[BaseException] = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, error, tb: seen.append(error))
+    hooks = hooks_for(sink)
+    hooks.install_excepthook()
+
+    fresh = RuntimeError("connection timed out")
+    sys.excepthook(RuntimeError, fresh, None)
+    try:
+        with hooks.watch():
+            raise KeyError("x")
+    except KeyError as reported:
+        sys.excepthook(KeyError, reported, None)  # already reported by watch(): not again
+        assert seen == [fresh, reported]
+    assert [e.kind for e in written(sink)] == [EventKind.NCCL_TIMEOUT, EventKind.JOB_CRASH]
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    received: list[tuple[str, str, bytes]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.received.append((self.path, self.headers["Content-Type"], body))
+        self.send_response(202)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def intake_url() -> Iterator[str]:
+    server = HTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    _Recorder.received.clear()
+    yield f"http://127.0.0.1:{server.server_port}/events"
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_http_sink_posts_one_json_line(intake_url: str) -> None:
+    event = hooks_for(intake_url).crash(2)
+    [(path, content_type, body)] = _Recorder.received
+    assert (path, content_type) == ("/events", "application/x-ndjson")
+    assert body.endswith(b"\n")
+    assert FaultEvent.model_validate_json(body) == event
+
+
+def test_an_unreachable_intake_does_not_stop_training(caplog: pytest.LogCaptureFixture) -> None:
+    hooks = hooks_for(f"http://127.0.0.1:{free_port()}/events")
+    event = hooks.crash(2)
+    assert f"could not deliver job_crash event {event.id}" in caplog.text

@@ -1,0 +1,109 @@
+"""Launching the reference training job (deployments/training/train.py) under a real torchrun."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from medic.config import REPO_ROOT
+from medic.events import FaultEvent
+
+TRAINING_DIR = REPO_ROOT / "deployments" / "training"
+TRAIN_SCRIPT = TRAINING_DIR / "train.py"
+LAUNCH_TIMEOUT_S = 120  # a launch takes 5-7 s on 2 cores; the rest is headroom for a loaded machine
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    returncode: int
+    output: str
+    ckpt_dir: Path
+    loss_log: Path
+    events: Path
+
+    def losses(self) -> dict[tuple[int, int], str]:
+        """(step, rank) -> the loss as float.hex(), for bit-exact comparison."""
+        if not self.loss_log.exists():
+            return {}
+        lines = (json.loads(line) for line in self.loss_log.read_text().splitlines())
+        return {(line["step"], line["rank"]): line["loss"] for line in lines}
+
+    def fault_events(self) -> list[FaultEvent]:
+        if not self.events.exists():
+            return []
+        return [FaultEvent.model_validate_json(line) for line in self.events.read_text().splitlines()]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendants of `pid`, from /proc: torchrun puts each worker in its own session."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(process: subprocess.Popen[str]) -> None:
+    for pid in [*descendants(process.pid), process.pid]:
+        with contextlib.suppress(ProcessLookupError):  # it exited on its own meanwhile
+            os.kill(pid, signal.SIGKILL)
+    process.wait()
+
+
+def torchrun(workdir: Path, ranks: int, *args: str, ckpt_dir: Path | None = None) -> Run:
+    """Run the job to its end (or its failure); the loss log and events land in `workdir`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = Run(
+        returncode=-1,
+        output="",
+        ckpt_dir=ckpt_dir or workdir / "checkpoints",
+        loss_log=workdir / "losses.jsonl",
+        events=workdir / "events.jsonl",
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={ranks}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(TRAIN_SCRIPT),
+        f"--ckpt-dir={run.ckpt_dir}",
+        f"--loss-log={run.loss_log}",
+        f"--events={run.events}",
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # also silences torchrun's banner about it
+    process = subprocess.Popen(
+        command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_tree(process)
+        raise
+    return replace(run, returncode=process.returncode, output=output)
