@@ -15,6 +15,7 @@ from prefect.runtime import flow_run
 from prefect.states import State
 from pydantic import BaseModel
 
+from flows.ladder import diagnose_ladder
 from integrations.protocols import Message
 from medic.audit import incident_markdown
 from medic.policy import Action, Decision
@@ -22,14 +23,11 @@ from medic.policy.model import DESTRUCTIVE
 from tasks.act import ActOutcome, act
 from tasks.close import close
 from tasks.decide import decide_incident
-from tasks.diagnose import LEVEL_BUDGET_S, diagnose
 from tasks.notify import notify
 from tasks.resume import ResumeOutcome, resume_job
 from tasks.runtime import current
 from tasks.triage import Triage, triage
 from tasks.verify import VerifyOutcome, verify
-
-MAX_LADDER_STEPS = 4
 
 
 class Outcome(BaseModel):
@@ -107,37 +105,14 @@ def _message(triaged: Triage, decision: Decision, summary: str) -> Message:
     )
 
 
-async def _ladder(triaged: Triage, decision: Decision) -> tuple[Decision, list[str]]:
-    """Climb DCGM levels while the policy asks for a diagnostic; stop at the first conclusive one."""
-    seen: list[str] = []
-    for _ in range(MAX_LADDER_STEPS):
-        if decision.action is not Action.DIAGNOSE or decision.diagnose_level is None:
-            break
-        level = decision.diagnose_level
-        # Each level has its own hard budget: a hung DCGM run must not hold the incident forever.
-        budgeted = diagnose.with_options(timeout_seconds=LEVEL_BUDGET_S[level] + 60)
-        result = budgeted(triaged.incident, triaged.node, level)
-        seen.append(
-            f"L{result.level} {result.result}"
-            + (f" ({', '.join(result.error_ids)})" if result.error_ids else "")
-        )
-        if result.result == "error":
-            # No verdict about the GPU: climbing further would only repeat the failure.
-            return decision.model_copy(
-                update={
-                    "action": Action.ESCALATE,
-                    "reason": f"{decision.reason}; DCGM could not run: {result.detail}",
-                }
-            ), seen
-        decision = decide_incident(triaged.incident)
-    return decision, seen
-
-
 @flow(name="remediate-incident", flow_run_name=_run_name, log_prints=False, persist_result=False)
 async def remediate(incident_id: str, node: str) -> Outcome:
     logger = get_run_logger()
     triaged = triage(incident_id)
-    decision, seen = await _ladder(triaged, triaged.decision)
+    decision, seen = triaged.decision, []
+    if decision.action is Action.DIAGNOSE:
+        ladder = await diagnose_ladder(incident_id, node, decision)
+        decision, seen = ladder.decision, ladder.seen
     if not seen:
         decision = decide_incident(incident_id)
     elif decision.action is Action.DIAGNOSE:

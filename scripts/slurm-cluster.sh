@@ -2,10 +2,12 @@
 # A throw-away, real Slurm cluster on this one machine for the Slurm tests and for trying GPU Medic
 # against Slurm by hand: a private munged, one slurmctld and one slurmd per node, all on 127.0.0.1
 # (Debian's Slurm is built with MULTIPLE_SLURMD, so each node is a slurmd with its own port).
-# Needs root and the packages from scripts/install-slurm.sh; no systemd.
+# Needs root and the packages from scripts/install-slurm.sh; no systemd. Reboot requests are served by
+# a stand-in that needs Linux time namespaces (kernel >= 5.6, `unshare --time`).
 #
 # usage: scripts/slurm-cluster.sh start|stop|status
-# env:   SLURM_TEST_BASE       where config, state, logs and pid files go   (/tmp/medic-slurm)
+# env:   SLURM_TEST_BASE       where config, state, logs and pid files go   (/tmp/medic-slurm);
+#                              it and its parents must be searchable by all (munged checks)
 #        SLURM_TEST_NODES      number of nodes gpu-node-1..N                 (4)
 #        SLURM_TEST_GPUS       fake GPUs (gres gpu) per node, 0 for none     (8)
 #        SLURM_TEST_CTLD_PORT  slurmctld's port                              (16817)
@@ -33,6 +35,7 @@ await() { for _ in $(seq 1 300); do "$@" && return 0; sleep 0.1; done; return 1;
 
 write_conf() {
   mkdir -p "$base"/{etc,state/ctld,log,run,munge}
+  chmod 755 "$base" "$run" # munged refuses a socket in a directory others cannot search
   cat >"$conf" <<EOF
 # written by scripts/slurm-cluster.sh
 ClusterName=medictest
@@ -103,6 +106,15 @@ all_idle() { [ "$(idle_nodes)" -ge "$nodes" ]; }
 ctld_up() { scontrol ping 2>/dev/null | grep -q 'is UP'; }
 no_running_jobs() { [ -z "$(squeue -h -t running,completing -o %i 2>/dev/null)" ]; }
 
+# A half-started cluster is worse than none: stop what came up, keep the logs.
+start_failed() {
+  local rc=$?
+  if [ $rc -ne 0 ]; then
+    echo "start failed (rc=$rc), logs in $log" >&2
+    stop >&2 || true
+  fi
+}
+
 start() {
   local t0 t
   t0=$(now)
@@ -112,8 +124,7 @@ start() {
       exit 1
     fi
   done
-  # A half-started cluster is worse than none: stop what came up, keep the logs.
-  trap 'rc=$?; if [ $rc -ne 0 ]; then echo "start failed (rc=$rc), logs in $log" >&2; stop >&2 || true; fi' EXIT
+  trap start_failed EXIT
   rm -rf "$base/state" "$run" # no jobs or node states from an earlier run
   write_conf
   [ -s "$base/munge/munge.key" ] || {
@@ -192,7 +203,7 @@ status() {
 }
 
 # The RebootProgram: find which node's slurmd asked (our ancestor), then, detached from it, stop
-# that slurmd and start it again in a new time namespace whose boot clock reads ~1 s. slurmctld
+# that slurmd and start it again in a new time namespace whose boot clock starts at zero. slurmctld
 # then sees a boot time after its reboot request, as after a real reboot, and applies nextstate.
 fake_reboot() {
   local pid=$PPID node="" pidfile
@@ -212,14 +223,18 @@ fake_reboot() {
 boot_node() {
   local node=$1 pidfile=$run/slurmd-$1.pid offset uptime
   stop_pids "$pidfile"
-  # Offsets are from the host's clock; we may run inside an earlier fake boot's namespace.
+  # Down for a moment, and then a boot clock near zero: slurmd reports a boot time no earlier than
+  # slurmctld's reboot request, which is what tells slurmctld the reboot happened. Offsets are from
+  # the host's clock, and we may run inside an earlier fake boot's namespace.
+  sleep 1
   offset=$(awk '$1 == "boottime" { print $2 }' /proc/self/timens_offsets)
   uptime=$(($(cut -d. -f1 /proc/uptime) - ${offset:-0}))
-  unshare --time --boottime "-$((uptime - 1))" slurmd -f "$conf" -N "$node"
+  unshare --time --boottime "-$uptime" slurmd -f "$conf" -N "$node"
 }
 
 case "${1:-}" in
   start) start ;;
+  # internal: the RebootProgram, and what it runs detached
   fake-reboot) fake_reboot ;;
   boot-node) boot_node "$2" ;;
   stop) stop ;;

@@ -41,6 +41,11 @@ def test_demo_remediates_hardware_and_leaves_application_faults_alone(
     assert resume.detail is not None and resume.detail["checkpoint_step"] == 12_000
     assert "resumed from step 12000" in result.output
     assert "L2 fail (DCGM_FR_FAULTY_MEMORY)" in result.output
+    # The ladder climbed: a quick level 1 passed, level 2's memory test failed, the node was replaced.
+    climbed = store.incident_detail(incidents["gpu-node-2"].id)
+    assert climbed is not None
+    assert [(d.level, d.result) for d in climbed.diagnostics] == [(1, "pass"), (2, "fail"), (1, "pass")]
+    assert [s.stage for s in climbed.steps][:5] == ["triage", "diagnose L1", "decide", "diagnose L2", "decide"]
     # The lone NCCL timeout was settled by a passing quick diagnostic, the node left in service.
     lone = store.incident_detail(incidents["gpu-node-7"].id)
     assert lone is not None and [(d.level, d.result) for d in lone.diagnostics] == [(1, "pass")]

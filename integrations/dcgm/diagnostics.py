@@ -77,10 +77,12 @@ def _run_problem(done: Completed, node: str, level: int, timeout_s: float) -> st
     if done.launch_error:
         return f"could not start `{command}`: {done.launch_error}"
     if done.timed_out:
-        return (
-            f"DCGM level {level} on {node} did not finish within {timeout_s:g} s; "
-            f"`{command}` and its process group were killed"
+        ending = (
+            "were killed"
+            if done.returncode is not None
+            else "were killed but did not exit (stuck in the kernel?)"
         )
+        return f"DCGM level {level} on {node} did not finish within {timeout_s:g} s; `{command}` and its process group {ending}"
     if done.stdout.lstrip().startswith("{"):
         return None  # dcgmi exits nonzero when tests fail: its JSON, not its exit code, has the verdict
     output = _tail(f"{done.stdout}\n{done.stderr}")

@@ -10,7 +10,6 @@ import contextlib
 import math
 import os
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +24,9 @@ DEFAULT_TERM_GRACE_S = 5.0
 # After the kill, how long to wait for output pipes a runaway grandchild may still hold open.
 _DRAIN_S = 2.0
 SSH_CONNECT_TIMEOUT_S = 10
+# srun waits for resources as long as it takes; a node that is drained or busy with a job would
+# turn into a misleading "dcgmi hung". Give up on the allocation after this instead.
+SRUN_IMMEDIATE_S = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +34,7 @@ class Completed:
     argv: tuple[str, ...]
     stdout: str
     stderr: str
-    returncode: int | None  # None only when the process could not be reaped after the kill
+    returncode: int | None  # None: it never started, or could not be reaped after the kill
     timed_out: bool = False
     duration_s: float = 0.0
     launch_error: str | None = None  # the command never started (missing program, wrong node)
@@ -95,17 +97,19 @@ def _stop(proc: subprocess.Popen[bytes], term_grace_s: float) -> tuple[bytes, by
     try:
         return proc.communicate(timeout=_DRAIN_S)
     except subprocess.TimeoutExpired:
-        # A descendant left the group (setsid) and holds the pipes: stop reading, keep going.
+        # A descendant left the group (setsid) and holds the pipes, or the process is stuck in
+        # the kernel, as a hung GPU driver can leave it: stop waiting for either.
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
-        proc.wait(timeout=_DRAIN_S)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=_DRAIN_S)
         return b"", b""
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):  # already gone
-        os.kill(pgid, sig)
+        os.killpg(pgid, sig)
 
 
 def _text(data: bytes | None) -> str:
@@ -139,7 +143,11 @@ class LocalRunner:
 
 
 class SrunRunner:
-    """Runs as a one-task Slurm step on the node; srun forwards our TERM to the remote command."""
+    """Runs as a one-task Slurm job on the node; srun forwards our TERM to the remote command.
+
+    Slurm allocates nothing on a drained node and waits while a job holds the node's resources
+    (SRUN_IMMEDIATE_S bounds that wait); the ssh runner has neither limit (docs/dcgm.md).
+    """
 
     def __init__(
         self,
@@ -152,7 +160,16 @@ class SrunRunner:
         self.term_grace_s = term_grace_s
 
     def command(self, node: str, argv: Sequence[str]) -> list[str]:
-        return ["srun", "-w", node, "--ntasks=1", "--quiet", *self.extra_args, *argv]
+        return [
+            "srun",
+            "-w",
+            node,
+            "--ntasks=1",
+            f"--immediate={SRUN_IMMEDIATE_S}",
+            "--quiet",
+            *self.extra_args,
+            *argv,
+        ]
 
     def env(self) -> dict[str, str] | None:
         if self.slurm_conf is None:
@@ -202,9 +219,9 @@ class RunnerConfigError(ValueError):
 
 
 def runner_from_env(env: Mapping[str, str]) -> NodeRunner:
-    """MEDIC_DCGM_RUNNER (local | srun | ssh; unset: srun when it is on PATH, else ssh),
+    """MEDIC_DCGM_RUNNER (local | srun | ssh, default ssh: it also reaches drained nodes),
     MEDIC_DCGM_RUNNER_ARGS (extra srun/ssh arguments, shell-quoted) and SLURM_CONF."""
-    kind = env.get("MEDIC_DCGM_RUNNER") or ("srun" if shutil.which("srun", path=env.get("PATH")) else "ssh")
+    kind = env.get("MEDIC_DCGM_RUNNER") or "ssh"
     extra = shlex.split(env.get("MEDIC_DCGM_RUNNER_ARGS", ""))
     match kind:
         case "local":

@@ -8,7 +8,7 @@ import subprocess
 from collections.abc import Mapping
 from typing import Any
 
-from integrations.slurm.errors import SlurmCommandError
+from integrations.slurm.errors import SlurmCommandError, UnknownSlurmNodeError
 from integrations.slurm.records import SlurmJob, SlurmNode
 
 DEFAULT_TIMEOUT_S = 30.0
@@ -61,6 +61,12 @@ class SlurmCli:
     def nodes(self) -> list[SlurmNode]:
         # sinfo --json ignores -n and every other filter (22.05): it is always the whole cluster.
         return [SlurmNode.from_json(raw) for raw in self._json("sinfo")["nodes"]]
+
+    def node(self, name: str) -> SlurmNode:
+        for node in self.nodes():
+            if node.name == name:
+                return node
+        raise UnknownSlurmNodeError(name)
 
     def jobs(self) -> list[SlurmJob]:
         # Likewise squeue --json ignores -j/-w/-u: all jobs Slurm still remembers (MinJobAge).

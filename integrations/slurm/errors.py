@@ -27,7 +27,9 @@ class UnknownSlurmNodeError(SlurmError, UnknownNodeError):
 
 class UnknownJobError(SlurmError, LookupError):
     def __init__(self, job_id: str) -> None:
-        super().__init__(f"Slurm has no job {job_id!r} (never existed, or finished longer ago than MinJobAge)")
+        super().__init__(
+            f"Slurm has no job {job_id!r} (never existed, or finished longer ago than MinJobAge)"
+        )
         self.job_id = job_id
 
 

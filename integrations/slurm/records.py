@@ -84,11 +84,13 @@ class SlurmNode:
         return NodeState.UNKNOWN
 
     @property
+    def out_of_service(self) -> bool:
+        """Drained, failed, down or rebooting: Slurm gives it no new work."""
+        return self.state in (NodeState.DRAINED, NodeState.DOWN, NodeState.REBOOTING)
+
+    @property
     def held_by_others(self) -> bool:
-        """Out of service (drained, failed, down, rebooting) for a reason that is not ours."""
-        return self.state in (NodeState.DRAINED, NodeState.DOWN, NodeState.REBOOTING) and not is_ours(
-            self.reason
-        )
+        return self.out_of_service and not is_ours(self.reason)
 
     @property
     def describe(self) -> str:

@@ -48,7 +48,7 @@ def _read(file: Path) -> tuple[str, str]:
 def _decide(report: DiagReport, node: str, level: int, loaded: LoadedPolicy) -> Decision:
     """What the policy decides for an incident holding just this diagnostic (node in service)."""
     event = FaultEvent(
-        id=f"dcgm-explain-{node}-l{level}",
+        id=f"dcgm-explain-l{level}",  # the incident id still differs per node: it hashes both
         time=datetime.now(UTC),
         source="dcgmi",
         kind="diagnostic",

@@ -52,9 +52,14 @@ def build_scenario(now: datetime | None = None) -> Scenario:
         step_seconds=1.8,
     )
     fleet.add_job(
-        "vision-ft", "bob", ["gpu-node-5", "gpu-node-6", "gpu-node-7"], step=8_215, checkpoint_every=200, step_seconds=0.9
+        "vision-ft",
+        "bob",
+        ["gpu-node-5", "gpu-node-6", "gpu-node-7"],
+        step=8_215,
+        checkpoint_every=200,
+        step_seconds=0.9,
     )
-    # The degraded GPU on gpu-node-2 only shows under load: DCGM level 2 finds it.
+    # The degraded GPU on gpu-node-2 passes the quick check; only DCGM level 2's memory test finds it.
     fleet.script_diagnostic("gpu-node-2", 2, "fail", ("DCGM_FR_FAULTY_MEMORY",))
 
     events: list[dict[str, Any]] = []
@@ -76,18 +81,25 @@ def build_scenario(now: datetime | None = None) -> Scenario:
     # 2. NaN loss in vision-ft: the application's fault; the node is left alone.
     add(60, "nan_loss", "gpu-node-5", job="vision-ft", rank=0, iteration=8_215, source="job")
     add(61, "job_crash", "gpu-node-5", job="vision-ft", rank=0, source="job", attributes={"exit_code": 1})
-    # 3. A straggler on gpu-node-2: slow steps, three reports in a row.
-    for i, ratio in enumerate((1.31, 1.42, 1.47)):
-        add(
-            90 + 20 * i,
-            "straggler",
-            "gpu-node-2",
-            job="llm-pretrain",
-            rank=4,
-            gpu=2,
-            source="job",
-            attributes={"step_time_ratio": ratio},
-        )
+    # 3. DCGM's health watch on gpu-node-2 flags low memory bandwidth (TRIAGE): the ladder climbs.
+    add(
+        90,
+        "dcgm_health",
+        "gpu-node-2",
+        gpu=2,
+        source="dcgm",
+        attributes={"error_id": "DCGM_FR_MEMORY_BANDWIDTH"},
+    )
+    add(
+        110,
+        "straggler",
+        "gpu-node-2",
+        job="llm-pretrain",
+        rank=4,
+        gpu=2,
+        source="job",
+        attributes={"step_time_ratio": 1.42},
+    )
     # 4. A lone collective timeout on gpu-node-7: a quick DCGM level 1 settles it (passes).
     add(150, "nccl_timeout", "gpu-node-7", job="vision-ft", rank=3, source="job")
 
@@ -98,7 +110,7 @@ def build_scenario(now: datetime | None = None) -> Scenario:
     story = [
         "gpu-node-3: XID 79 (GPU fallen off the bus), the training job's ranks time out and crash",
         "gpu-node-5: NaN loss at iteration 8,215 in vision-ft, then the job crashes",
-        "gpu-node-2: three straggler reports (steps 1.3-1.5x slower)",
+        "gpu-node-2: DCGM's health watch flags low memory bandwidth on GPU 2; the job's steps slow down",
         "gpu-node-7: a lone NCCL timeout",
         "two malformed lines in the feed",
     ]

@@ -244,21 +244,57 @@ def _compile_rule(rule: Rule, index: int) -> CompiledRule:
     return CompiledRule(rule, index, tuple(needs), checks, precedence)
 
 
-_compiled: OrderedDict[int, tuple[Policy, tuple[CompiledRule, ...]]] = OrderedDict()
+@dataclass(frozen=True, slots=True)
+class CompiledPolicy:
+    rules: tuple[CompiledRule, ...]
+    # A rule can only match an incident that has one of the kinds of its first need; index
+    # rules by those kinds so an incident looks at a handful of rules, not all of them.
+    by_kind: dict[EventKind, tuple[CompiledRule, ...]]
+    by_xid: dict[int, tuple[CompiledRule, ...]]  # rules with an `xid` condition, by code
+    always: tuple[CompiledRule, ...]  # rules with no kind requirement
+
+    def candidates(self, facts: Facts) -> list[CompiledRule]:
+        found = {r.index: r for kind in facts.kinds for r in self.by_kind.get(kind, ())}
+        for code in facts.xid_codes:
+            found.update((r.index, r) for r in self.by_xid.get(code, ()))
+        found.update((r.index, r) for r in self.always)
+        return [found[i] for i in sorted(found)]
 
 
-def compiled(policy: Policy) -> tuple[CompiledRule, ...]:
-    """The policy's rules, compiled once (a few recently used policies are kept)."""
+def _compile_policy(policy: Policy) -> CompiledPolicy:
+    rules = tuple(_compile_rule(rule, i) for i, rule in enumerate(policy.rules))
+    by_kind: dict[EventKind, list[CompiledRule]] = {}
+    by_xid: dict[int, list[CompiledRule]] = {}
+    for rule in rules:
+        if rule.rule.when.xid:
+            for code in rule.rule.when.xid:
+                by_xid.setdefault(code, []).append(rule)
+            continue
+        for kind in rule.needs[0] if rule.needs else ():
+            by_kind.setdefault(kind, []).append(rule)
+    return CompiledPolicy(
+        rules,
+        {k: tuple(v) for k, v in by_kind.items()},
+        {k: tuple(v) for k, v in by_xid.items()},
+        tuple(r for r in rules if not r.needs),
+    )
+
+
+_compiled: OrderedDict[int, tuple[Policy, CompiledPolicy]] = OrderedDict()
+
+
+def compiled(policy: Policy) -> CompiledPolicy:
+    """The policy compiled once (a few recently used policies are kept)."""
     key = id(policy)
     hit = _compiled.get(key)
     if hit is not None and hit[0] is policy:
         _compiled.move_to_end(key)
         return hit[1]
-    rules = tuple(_compile_rule(rule, i) for i, rule in enumerate(policy.rules))
-    _compiled[key] = (policy, rules)
+    result = _compile_policy(policy)
+    _compiled[key] = (policy, result)
     if len(_compiled) > 16:
         _compiled.popitem(last=False)
-    return rules
+    return result
 
 
 def evaluate(compiled_rule: CompiledRule, facts: Facts) -> tuple[list[str] | None, str | None]:
@@ -280,17 +316,21 @@ def match(rule: Rule, facts: Facts) -> list[str] | None:
 
 
 def diagnose_level(rule: Rule, facts: Facts) -> int | None:
-    """The level a diagnose rule asks for now, or None when that level has already run."""
-    wanted = rule.then.diagnose_level
-    level = facts.highest_level_run + 1 if wanted == "next" else int(wanted or 1)
-    return level if level > facts.highest_level_run else None
+    """The level a diagnose rule asks for now, or None when the rule's levels have all run."""
+    then, highest = rule.then, facts.highest_level_run
+    if then.diagnose_level == "next":
+        return highest + 1
+    start = int(then.diagnose_level or 1)
+    if highest >= (then.diagnose_up_to or start):
+        return None
+    return max(start, highest + 1)
 
 
 def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
     candidates: list[tuple[tuple[bool, int, int, int], Rule, list[str], int | None]] = []
     kinds = facts.kinds
-    for compiled_rule in compiled(policy):
-        if any(kinds.isdisjoint(need) for need in compiled_rule.needs):
+    for compiled_rule in compiled(policy).candidates(facts):
+        if len(compiled_rule.needs) > 1 and any(kinds.isdisjoint(need) for need in compiled_rule.needs):
             continue
         reasons, _ = evaluate(compiled_rule, facts)
         if reasons is None:

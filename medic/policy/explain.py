@@ -23,7 +23,7 @@ class RuleTrace:
 def trace(policy: Policy, facts: Facts) -> list[RuleTrace]:
     """Every rule in file order, evaluated in full (no shortcuts), for people to read."""
     traces = []
-    for rule in compiled(policy):
+    for rule in compiled(policy).rules:
         reasons, failed = evaluate(rule, facts)
         note = None
         missing = [need for need in rule.needs if facts.kinds.isdisjoint(need)]

@@ -189,6 +189,12 @@ class Then(_Strict):
     diagnose_level: int | Literal["next"] | None = Field(
         None, description="For action diagnose: the DCGM level (1-4) or `next` after the latest run."
     )
+    diagnose_up_to: int | None = Field(
+        None,
+        ge=1,
+        le=4,
+        description="Climb on from diagnose_level while the rule still holds (e.g. a pass), up to this level.",
+    )
     recommend: list[str] = Field(default_factory=list, description="What the owner should do.")
     owner: str | None = Field(
         None, description="Tell this owner (a key of `owners`, e.g. network) instead of the job's owner."
@@ -200,6 +206,10 @@ class Then(_Strict):
             raise ValueError("action diagnose needs diagnose_level (1-4 or next)")
         if isinstance(self.diagnose_level, int) and not 1 <= self.diagnose_level <= 4:
             raise ValueError("diagnose_level must be between 1 and 4")
+        if self.diagnose_up_to is not None and (
+            not isinstance(self.diagnose_level, int) or self.diagnose_up_to < self.diagnose_level
+        ):
+            raise ValueError("diagnose_up_to needs a numeric diagnose_level no higher than it")
         return self
 
 

@@ -1,0 +1,358 @@
+"""SlurmScheduler and SlurmRebootProvider against a real Slurm cluster on this machine.
+
+scripts/slurm-cluster.sh starts a private munged, slurmctld and four slurmd (gpu-node-1..4, 8 fake GPUs
+each) on free ports under a temporary directory. Drains, requeues, resumes and reboot requests go
+through Slurm for real; only the machine reboot is a stand-in: the node's slurmd restarts with a fresh
+boot time, which is what slurmctld checks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from integrations.protocols import JobState, NodeProvider, NodeState, Scheduler
+from integrations.slurm import (
+    NodeHeldByOthersError,
+    NotRequeueableError,
+    ResumeRefusedError,
+    SlurmCli,
+    SlurmCommandError,
+    SlurmError,
+    SlurmRebootProvider,
+    SlurmScheduler,
+    UnknownJobError,
+    UnknownSlurmNodeError,
+)
+from integrations.slurm.records import SlurmJob, SlurmNode
+from medic.config import REPO_ROOT
+
+pytestmark = pytest.mark.system
+
+SCRIPTS = REPO_ROOT / "scripts"
+NODES = [f"gpu-node-{i}" for i in range(1, 5)]
+T = TypeVar("T")
+
+
+def _free_port_block(count: int) -> int:
+    """First port of `count` consecutive ports that are free on 127.0.0.1 right now."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        if first + count >= 65535:
+            continue
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def until(check: Callable[[], T | None], what: str, timeout_s: float = 30.0) -> T:
+    deadline = time.monotonic() + timeout_s
+    while (result := check()) is None or result is False:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(0.1)
+    return result
+
+
+@dataclass
+class Cluster:
+    base: Path
+    cli: SlurmCli
+    started_in_s: float
+
+    def run(self, *args: str, user: str | None = None) -> str:
+        command = ["runuser", "-u", user, "--", *args] if user else list(args)
+        done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=30)
+        return done.stdout.strip()
+
+    def sbatch(self, *options: str, user: str | None = None) -> str:
+        return self.run(
+            "sbatch",
+            "--parsable",
+            "--chdir=/tmp",
+            "--output=/dev/null",
+            *options,
+            "--wrap",
+            "sleep 300",
+            user=user,
+        )
+
+    def running(self, job_id: str) -> SlurmJob:
+        def check() -> SlurmJob | None:
+            job = next((j for j in self.cli.jobs() if j.id == job_id), None)
+            return job if job and job.state == "RUNNING" else None
+
+        return until(check, f"job {job_id} to run")
+
+    def settle(self) -> None:
+        """Back to four idle nodes and no jobs, whatever a test left behind."""
+        ids = [j.id for j in self.cli.jobs() if j.job_state in (JobState.PENDING, JobState.RUNNING)]
+        if ids:
+            self.run("scancel", *ids)
+        for node in self.cli.nodes():
+            if node.flags & {"DRAIN", "FAIL"} or node.base == "down":
+                self.run("scontrol", "update", f"nodename={node.name}", "state=resume")
+        until(
+            lambda: (
+                all(n.base == "idle" and not n.flags for n in self.cli.nodes())
+                and not any(j.job_state is JobState.RUNNING for j in self.cli.jobs())
+            ),
+            "four idle nodes and no running jobs",
+        )
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    if shutil.which("slurmctld") is None:
+        subprocess.run([str(SCRIPTS / "install-slurm.sh")], check=True, timeout=600)
+    # Not under pytest's tmp_path: munged wants every directory above its socket searchable by all.
+    base = Path(tempfile.mkdtemp(prefix="medic-slurm-"))
+    base.chmod(0o755)
+    ports = _free_port_block(len(NODES) + 1)
+    env = {
+        **os.environ,
+        "SLURM_TEST_BASE": str(base),
+        "SLURM_TEST_NODES": str(len(NODES)),
+        "SLURM_TEST_CTLD_PORT": str(ports),
+        "SLURM_TEST_NODE_PORT0": str(ports),  # node i listens on ports + i
+    }
+    script = str(SCRIPTS / "slurm-cluster.sh")
+    started = time.monotonic()
+    subprocess.run([script, "start"], env=env, check=True, timeout=120)
+    cluster = Cluster(base, SlurmCli(), time.monotonic() - started)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("SLURM_CONF", str(base / "etc" / "slurm.conf"))
+            yield cluster
+    finally:
+        subprocess.run([script, "stop"], env=env, check=True, timeout=120)
+        shutil.rmtree(base)
+
+
+@pytest.fixture
+def slurm(cluster: Cluster) -> Iterator[Cluster]:
+    yield cluster
+    cluster.settle()
+
+
+@pytest.fixture
+def scheduler(slurm: Cluster) -> SlurmScheduler:
+    return SlurmScheduler()
+
+
+def test_nodes_lists_the_idle_cluster(slurm: Cluster, scheduler: SlurmScheduler) -> None:
+    assert isinstance(scheduler, Scheduler)
+    nodes = scheduler.nodes()
+    assert [n.name for n in nodes] == NODES
+    assert {n.state for n in nodes} == {NodeState.IDLE}
+    assert {n.gpus for n in nodes} == {8}
+    assert all(n.reason is None for n in nodes)
+    assert slurm.started_in_s < 10
+
+
+def test_unknown_names_are_clear_errors(slurm: Cluster, scheduler: SlurmScheduler) -> None:
+    for call in (
+        lambda: scheduler.node("gpu-node-99"),
+        lambda: scheduler.drain("gpu-node-99", "medic: test"),
+        lambda: scheduler.resume("gpu-node-99"),
+        lambda: scheduler.jobs_on_node("gpu-node-99"),
+    ):
+        with pytest.raises(UnknownSlurmNodeError, match="gpu-node-99"):
+            call()
+    assert scheduler.job("999999") is None
+    with pytest.raises(UnknownJobError, match="999999"):
+        scheduler.requeue("999999", [])
+
+
+def test_drain_requeue_resume(slurm: Cluster, scheduler: SlurmScheduler) -> None:
+    job_id = slurm.sbatch("--nodes=2", "--exclusive", "--requeue", user="nobody")
+    first = slurm.running(job_id)
+    bad, good = first.nodes
+
+    on_bad = scheduler.jobs_on_node(bad)
+    assert [(j.id, j.owner, j.state, j.nodes, j.step) for j in on_bad] == [
+        (job_id, "nobody", JobState.RUNNING, (bad, good), None)
+    ]
+
+    reason = "medic: xid 79 on GPU 3 incident T1"
+    scheduler.drain(bad, reason)
+    drained = scheduler.node(bad)
+    assert (drained.state, drained.reason, drained.drained_by_medic) == (NodeState.DRAINED, reason, True)
+    scheduler.drain(bad, "medic: a second incident")  # already ours: the first reason stays
+    assert scheduler.node(bad).reason == reason
+
+    started = time.monotonic()
+    requeued = scheduler.requeue(job_id, [bad])
+    assert requeued.restarts == 1
+    again = slurm.running(job_id)
+    seconds = time.monotonic() - started
+    print(f"requeue → running again on other nodes: {seconds:.1f} s")
+    assert bad not in again.nodes and len(again.nodes) == 2
+    assert again.excluded == bad
+    assert scheduler.job(job_id) == again.info()
+    assert again.info().restarts == 1
+    assert scheduler.jobs_on_node(bad) == []
+    assert seconds < 30  # cred_expire=10 in the test cluster
+
+    scheduler.resume(bad)
+    back = until(lambda: (n := scheduler.node(bad)).state is NodeState.IDLE and n, f"{bad} idle")
+    assert back.reason is None
+
+
+def test_owner_from_the_job_comment(slurm: Cluster, scheduler: SlurmScheduler) -> None:
+    job_id = slurm.sbatch("--nodes=1", "--comment=team=vision owner=alice", user="nobody")
+    slurm.running(job_id)
+    job = scheduler.job(job_id)
+    assert job is not None and job.owner == "alice" and job.state is JobState.RUNNING
+
+
+def test_an_admins_drain_is_never_undone_or_overwritten(slurm: Cluster, scheduler: SlurmScheduler) -> None:
+    node = NODES[2]
+    slurm.run("scontrol", "update", f"nodename={node}", "state=drain", "reason=admin: bad fan")
+    before = scheduler.node(node)
+    assert (before.state, before.reason, before.drained_by_medic) == (
+        NodeState.DRAINED,
+        "admin: bad fan",
+        False,
+    )
+
+    with pytest.raises(ResumeRefusedError, match="never undone"):
+        scheduler.resume(node)
+    with pytest.raises(NodeHeldByOthersError, match="admin: bad fan"):
+        scheduler.drain(node, "medic: incident X")
+    for provider in (SlurmRebootProvider(), SlurmRebootProvider(convention="hyperpod")):
+        with pytest.raises(NodeHeldByOthersError):
+            provider.reboot(node)
+    assert scheduler.node(node) == before
+    assert not slurm.cli.node(node).flags & {"REBOOT_REQUESTED", "FAIL"}
+
+
+def test_resume_refuses_a_node_in_service(slurm: Cluster, scheduler: SlurmScheduler) -> None:
+    with pytest.raises(ResumeRefusedError, match="not drained by GPU Medic"):
+        scheduler.resume(NODES[0])
+
+
+def test_requeue_refusals_leave_the_job_running(slurm: Cluster, scheduler: SlurmScheduler) -> None:
+    job_id = slurm.sbatch("--nodes=1", "--no-requeue")
+    node = slurm.running(job_id).nodes[0]
+    with pytest.raises(NotRequeueableError, match=f"job {job_id}.*--no-requeue"):
+        scheduler.requeue(job_id, [node])
+    with pytest.raises(UnknownSlurmNodeError, match="gpu-node-99"):
+        scheduler.requeue(job_id, ["gpu-node-99"])
+    job = scheduler.job(job_id)
+    assert job is not None and (job.state, job.restarts) == (JobState.RUNNING, 0)
+
+
+def test_reboots_through_slurm(slurm: Cluster, scheduler: SlurmScheduler) -> None:
+    provider = SlurmRebootProvider(poll_interval_s=0.2)
+    assert isinstance(provider, NodeProvider)
+    rebooted, reset, resumed = NODES[:3]
+    scheduler.drain(rebooted, "medic: reboot incident R1")
+    scheduler.drain(reset, "medic: reset_gpu incident R2")
+
+    assert "stays drained" in provider.reboot(rebooted)
+    assert "a reboot resets GPU 3" in provider.reset_gpu(reset, 3)
+    SlurmRebootProvider(resume_after_reboot=True).reboot(resumed)
+    for node in (rebooted, reset, resumed):
+        assert slurm.cli.node(node).flags & {"REBOOT_REQUESTED", "REBOOT_ISSUED"}
+    assert provider.wait_ready(rebooted, 0) is False
+
+    started = time.monotonic()
+    assert all(provider.wait_ready(node, 30) for node in (rebooted, reset, resumed))
+    print(f"reboot request → node back: {time.monotonic() - started:.1f} s")
+    log = (slurm.base / "log" / "reboots.log").read_text()
+    assert all(node in log for node in (rebooted, reset, resumed))
+
+    for node, incident in ((rebooted, "R1"), (reset, "R2")):
+        after = scheduler.node(node)
+        assert after.state is NodeState.DRAINED and after.drained_by_medic, after
+        assert f"incident {incident}" in (after.reason or "")
+    assert scheduler.node(resumed).state is NodeState.IDLE
+
+    with pytest.raises(SlurmError, match="cannot replace hardware"):
+        provider.replace(NODES[3])
+
+
+def test_wait_ready_is_false_for_a_node_that_stays_down(slurm: Cluster) -> None:
+    slurm.run("scontrol", "update", f"nodename={NODES[3]}", "state=down", "reason=medic: test incident D1")
+    started = time.monotonic()
+    assert SlurmRebootProvider(poll_interval_s=0.1).wait_ready(NODES[3], 10) is False
+    assert time.monotonic() - started < 2  # down without a reboot under way is final: no waiting
+
+
+def test_hyperpod_convention(slurm: Cluster, scheduler: SlurmScheduler) -> None:
+    provider = SlurmRebootProvider(convention="hyperpod", poll_interval_s=0.1)
+    scheduler.drain(NODES[0], "medic: reboot incident H1")
+    provider.reboot(NODES[0])
+    provider.replace(NODES[1])
+    assert "a reboot resets all GPUs" in provider.reset_gpu(NODES[2], None)
+
+    for node, reason in (
+        (NODES[0], "Action:Reboot"),
+        (NODES[1], "Action:Replace"),
+        (NODES[2], "Action:Reboot"),
+    ):
+        raw = slurm.cli.node(node)
+        assert "FAIL" in raw.flags and raw.reason == reason
+        info = scheduler.node(node)
+        assert info.state is NodeState.DRAINED and not info.drained_by_medic
+    # Until HyperPod's agent takes the node through repair and back, it is not ready.
+    assert provider.wait_ready(NODES[0], 0.3) is False
+
+
+def test_a_cluster_that_does_not_answer_is_an_error_not_a_hang() -> None:
+    # Without a readable config sinfo goes looking for a controller and waits: the timeout ends it.
+    cli = SlurmCli(slurm_conf="/nonexistent/slurm.conf", timeout_s=1)
+    with pytest.raises(SlurmCommandError, match=r"sinfo --json.*no answer within 1 s"):
+        cli.nodes()
+
+
+def test_provider_convention_from_env() -> None:
+    assert SlurmRebootProvider.from_env({}).convention == "scontrol"
+    assert SlurmRebootProvider.from_env({"MEDIC_SLURM_ACTIONS": "hyperpod"}).convention == "hyperpod"
+    with pytest.raises(ValueError, match="MEDIC_SLURM_ACTIONS"):
+        SlurmRebootProvider.from_env({"MEDIC_SLURM_ACTIONS": "ipmi"})
+
+
+@pytest.mark.parametrize(
+    ("base", "flags", "expected"),
+    [
+        ("idle", [], NodeState.IDLE),
+        ("mixed", [], NodeState.ALLOCATED),
+        ("mixed", ["DRAIN"], NodeState.DRAINED),
+        ("idle", ["FAIL"], NodeState.DRAINED),
+        ("idle", ["DRAIN", "REBOOT_REQUESTED"], NodeState.DRAINED),
+        ("idle", ["REBOOT_REQUESTED"], NodeState.REBOOTING),
+        ("down", ["DRAIN", "REBOOT_ISSUED"], NodeState.REBOOTING),
+        ("down", ["NOT_RESPONDING"], NodeState.DOWN),
+        ("idle", ["NOT_RESPONDING"], NodeState.UNKNOWN),
+        ("future", [], NodeState.UNKNOWN),
+    ],
+)
+def test_node_state_mapping(base: str, flags: list[str], expected: NodeState) -> None:
+    raw = {
+        "name": "n",
+        "state": base,
+        "state_flags": flags,
+        "reason": "",
+        "gres": "gpu:a100:4(S:0-1),gpu:2,nic:1",
+    }
+    node = SlurmNode.from_json(raw)
+    assert (node.state, node.gpus, node.reason) == (expected, 6, None)
