@@ -8,6 +8,7 @@ from datetime import timedelta
 from flows.remediate import Outcome, remediate
 from medic.incidents import Incident, correlate
 from medic.intake import Intake
+from tasks.reconcile import reconcile_intents
 from tasks.runtime import Runtime
 
 
@@ -39,6 +40,7 @@ def record(rt: Runtime, intake: Intake) -> Dispatch:
 
 
 async def remediate_all(rt: Runtime, intake: Intake) -> Dispatch:
+    reconcile_intents(rt)
     dispatch = record(rt, intake)
     for incident in dispatch.incidents:
         existing = rt.store.get_incident(incident.id)

@@ -23,6 +23,7 @@ from medic.policy.model import DESTRUCTIVE
 from tasks.act import ActOutcome, act
 from tasks.close import close
 from tasks.decide import decide_incident
+from tasks.guard import ensure_limits
 from tasks.notify import notify
 from tasks.resume import ResumeOutcome, resume_job
 from tasks.runtime import current
@@ -75,9 +76,7 @@ def _summary(
         f"{decision.classification.value} fault → {decision.action.value} ({acted.status}: {acted.detail})"
     ]
     if resumed:
-        parts.append(
-            f"job {resumed.job} resumed from step {resumed.checkpoint_step} (now {resumed.resumed_step})"
-        )
+        parts.append(resumed.describe())
     if verified:
         parts.append(verified.detail)
     return "; ".join(parts)
@@ -108,6 +107,7 @@ def _message(triaged: Triage, decision: Decision, summary: str) -> Message:
 @flow(name="remediate-incident", flow_run_name=_run_name, log_prints=False, persist_result=False)
 async def remediate(incident_id: str, node: str) -> Outcome:
     logger = get_run_logger()
+    await ensure_limits()
     triaged = triage(incident_id)
     decision, seen = triaged.decision, []
     if decision.action is Action.DIAGNOSE:
@@ -146,9 +146,7 @@ async def remediate(incident_id: str, node: str) -> Outcome:
     summary = _summary(decision, acted, resumed, verified)
     updates = [*(f"DCGM {s}" for s in seen)]
     if resumed:
-        updates.append(
-            f"Job {resumed.job} resumed from step {resumed.checkpoint_step}; work lost ≈ {resumed.lost_seconds:.0f} s"
-        )
+        updates.append(resumed.describe())
     notify_state = notify(_message(triaged, decision, summary), updates, return_state=True)
     if not notify_state.is_completed():
         logger.error("notification failed, remediation goes on: %s", notify_state.message)

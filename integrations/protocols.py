@@ -72,6 +72,14 @@ class NodeProvider(Protocol):
     def wait_ready(self, node: str, timeout_s: float) -> bool: ...
 
 
+@runtime_checkable
+class BootClock(Protocol):
+    """Providers that can tell when a node last booted. Lets an action whose outcome was lost
+    in a crash be settled by asking the backend (booted after the intent: it happened)."""
+
+    def booted_at(self, node: str) -> datetime | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class DiagnosticResult:
     node: str

@@ -59,9 +59,10 @@ Env = Mapping[str, str]
 
 
 def _slurm_scheduler(env: Env) -> Scheduler:
+    from integrations.slurm.cli import SlurmCli
     from integrations.slurm.scheduler import SlurmScheduler
 
-    return SlurmScheduler()
+    return SlurmScheduler(SlurmCli.from_env(env))
 
 
 def _slurm_provider(env: Env) -> NodeProvider:

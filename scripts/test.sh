@@ -19,6 +19,9 @@ if [ -z "${MEDIC_TEST_POSTGRES:-}" ] && ! pg_isready -h 127.0.0.1 -p 5432 -q 2>/
   pg_isready -h 127.0.0.1 -p 5432 || { echo "PostgreSQL is not reachable at 127.0.0.1:5432" >&2; exit 1; }
 fi
 
+# Slurm: the scheduler tests start a real local cluster from Debian's packages.
+scripts/install-slurm.sh
+
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -7,6 +7,7 @@ from pydantic import BaseModel
 
 from medic.policy import Action, Decision
 from medic.policy.model import DESTRUCTIVE
+from tasks.guard import guarded
 from tasks.node_ops import ensure_drained, resume_node
 from tasks.runtime import Runtime, current
 from tasks.stage import stage
@@ -22,21 +23,39 @@ class ActOutcome(BaseModel):
         return self.status in ("done", "already-done") and self.action in DESTRUCTIVE | {Action.DRAIN}
 
 
-def _destructive(rt: Runtime, incident_id: str, node: str, gpu: int | None, action: Action) -> ActOutcome:
+def _stopped(action: Action, stopped: tuple[str, str]) -> ActOutcome:
+    name, why = stopped
+    return ActOutcome(
+        action=action, status="escalated", detail=f"stopped by guardrail {name} at the last check: {why}"
+    )
+
+
+def _destructive(rt: Runtime, incident_id: str, node: str, gpu: int | None, decision: Decision) -> ActOutcome:
+    action = decision.action
     key = f"{incident_id}:{node}:{action.value}"
-    row, fresh = rt.store.claim_action(key, incident_id, node, action.value)
-    if not fresh and row.status == "succeeded":
+    row = rt.store.get_action(key)
+    if row is not None and row.status == "succeeded":
         return ActOutcome(
             action=action, status="already-done", detail=f"{action.value} already done: {row.detail}"
         )
-    if not fresh and row.status == "intent":
-        # An earlier attempt died between intent and outcome: we cannot tell whether the node
-        # was hit, and a second reboot or replacement is worse than asking a human.
+    if row is not None and row.status == "intent":
+        # An earlier attempt died between intent and outcome and reconciliation could not
+        # tell whether the node was hit: a second reboot or replacement is worse than asking.
         return ActOutcome(
             action=action,
             status="escalated",
             detail=f"an earlier {action.value} of {node} did not report back; not repeating it blind",
         )
+    with guarded(rt, node, decision) as stopped:
+        if stopped:
+            return _stopped(action, stopped)
+        return _call_provider(rt, incident_id, node, gpu, action, key)
+
+
+def _call_provider(
+    rt: Runtime, incident_id: str, node: str, gpu: int | None, action: Action, key: str
+) -> ActOutcome:
+    rt.store.claim_action(key, incident_id, node, action.value)
     drained = ensure_drained(rt, incident_id, node, action.value)
     provider = rt.backends.provider
     try:
@@ -59,11 +78,16 @@ def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> Act
     with stage(rt.store, incident_id, f"act: {decision.action.value}") as log:
         action = decision.action
         if action in DESTRUCTIVE:
-            outcome = _destructive(rt, incident_id, node, gpu, action)
+            outcome = _destructive(rt, incident_id, node, gpu, decision)
         elif action is Action.DRAIN:
-            outcome = ActOutcome(
-                action=action, status="done", detail=ensure_drained(rt, incident_id, node, "drain")
-            )
+            with guarded(rt, node, decision) as stopped:
+                outcome = (
+                    _stopped(action, stopped)
+                    if stopped
+                    else ActOutcome(
+                        action=action, status="done", detail=ensure_drained(rt, incident_id, node, "drain")
+                    )
+                )
         elif action is Action.REINTEGRATE:
             outcome = ActOutcome(action=action, status="done", detail=resume_node(rt, incident_id, node))
         elif action is Action.ESCALATE:

@@ -471,4 +471,4 @@ def test_the_kind_prefilter_never_changes_a_decision(
         assert got.matched == expected
         assert got.rule == (expected[0] if expected else "default")
 from medic.policy import engine
-engine._NEEDS["dcgm_category"] = frozenset({EventKind.XID})
+engine._NEEDS["diagnostic"] = frozenset({EventKind.ECC})

@@ -8,14 +8,17 @@ boot time, which is what slurmctld checks.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
@@ -36,6 +39,7 @@ from integrations.slurm import (
 )
 from integrations.slurm.records import SlurmJob, SlurmNode
 from medic.config import REPO_ROOT
+from medic.store import Store
 
 pytestmark = pytest.mark.system
 
@@ -326,6 +330,7 @@ def test_a_cluster_that_does_not_answer_is_an_error_not_a_hang() -> None:
 
 def test_provider_convention_from_env() -> None:
     assert SlurmRebootProvider.from_env({}).convention == "scontrol"
+    assert SlurmRebootProvider.from_env({"SLURM_CONF": "/etc/x.conf"}).cli.slurm_conf == "/etc/x.conf"
     assert SlurmRebootProvider.from_env({"MEDIC_SLURM_ACTIONS": "hyperpod"}).convention == "hyperpod"
     with pytest.raises(ValueError, match="MEDIC_SLURM_ACTIONS"):
         SlurmRebootProvider.from_env({"MEDIC_SLURM_ACTIONS": "ipmi"})
@@ -356,3 +361,86 @@ def test_node_state_mapping(base: str, flags: list[str], expected: NodeState) ->
     }
     node = SlurmNode.from_json(raw)
     assert (node.state, node.gpus, node.reason) == (expected, 6, None)
+
+
+# --- end to end: `medic ingest` remediating through the real cluster ----------------------------
+
+
+def _ingest(
+    slurm: Cluster, tmp_path: Path, events: list[dict[str, object]]
+) -> subprocess.CompletedProcess[str]:
+    feed = tmp_path / "events.jsonl"
+    feed.write_text("".join(json.dumps(e) + "\n" for e in events))
+    env = {
+        **os.environ,
+        "MEDIC_SCHEDULER": "slurm",
+        "MEDIC_PROVIDER": "slurm",
+        "MEDIC_HOME": str(tmp_path),
+        "MEDIC_DATABASE_URL": f"sqlite:///{tmp_path / 'medic.db'}",
+        "SLURM_CONF": str(slurm.base / "etc" / "slurm.conf"),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    env.pop("PREFECT_API_URL", None)
+    medic = Path(sys.executable).parent / "medic"
+    return subprocess.run(
+        [str(medic), "ingest", str(feed)], env=env, capture_output=True, text=True, timeout=400
+    )
+
+
+def _xid79(node: str, job: str, event_id: str) -> dict[str, object]:
+    now = datetime.now(UTC).isoformat()
+    return {
+        "id": event_id,
+        "time": now,
+        "source": "agent",
+        "kind": "xid",
+        "node": node,
+        "gpu": 0,
+        "job": job,
+        "attributes": {"code": 79},
+    }
+
+
+def test_ingest_xid79_drains_requeues_reboots_verifies_and_resumes(slurm: Cluster, tmp_path: Path) -> None:
+    job_id = slurm.sbatch("--nodes=2", "--exclusive", "--requeue", user="nobody")
+    job = slurm.running(job_id)
+    bad, kept = job.nodes[0], job.nodes[1]
+    event = _xid79(bad, job_id, "slurm-e2e-1")
+    done = _ingest(slurm, tmp_path, [event])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    store = Store(f"sqlite:///{tmp_path / 'medic.db'}")
+    (incident,) = store.find_incidents(node=bad)
+    assert (incident.action, incident.status) == ("reboot", "closed"), incident.outcome
+    detail = store.incident_detail(incident.id)
+    assert detail is not None
+    assert {a.action: a.status for a in detail.actions} == {
+        "drain": "succeeded",
+        "reboot": "succeeded",
+        "resume": "succeeded",
+    }
+    # The job runs again, elsewhere; the node was verified and is back in service.
+    requeued = slurm.running(job_id)
+    assert bad not in requeued.nodes and requeued.restarts == 1
+    node = next(n for n in slurm.cli.nodes() if n.name == bad)
+    assert not node.flags & {"DRAIN", "FAIL"}, node
+    assert kept  # the job's other node was not touched by us
+    assert not [a for a in detail.actions if a.node != bad]
+
+    # The same event again: one action per fault, never two.
+    again = _ingest(slurm, tmp_path, [event])
+    assert again.returncode == 0, again.stderr
+    assert len(store.incident_detail(incident.id).actions) == 3  # type: ignore[union-attr]
+
+
+def test_ingest_leaves_an_admin_drained_node_alone(slurm: Cluster, tmp_path: Path) -> None:
+    slurm.run("scontrol", "update", "nodename=gpu-node-4", "state=drain", "reason=admin: bad fan")
+    done = _ingest(slurm, tmp_path, [_xid79("gpu-node-4", "none", "slurm-e2e-admin")])
+    assert done.returncode == 0, done.stdout + done.stderr
+    store = Store(f"sqlite:///{tmp_path / 'medic.db'}")
+    (incident,) = store.find_incidents(node="gpu-node-4")
+    assert incident.status == "escalated"
+    node = next(n for n in slurm.cli.nodes() if n.name == "gpu-node-4")
+    assert node.reason == "admin: bad fan"
+    assert "DRAIN" in node.flags

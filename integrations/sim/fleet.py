@@ -24,6 +24,7 @@ class SimNode:
     state: NodeState = NodeState.IDLE
     reason: str | None = None
     boots: int = 0
+    booted_at: datetime | None = None
     replaced: int = 0
     gpu_resets: int = 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from datetime import UTC, datetime
 
 from integrations.protocols import NodeState
 from integrations.sim.fleet import SimFleet
@@ -23,6 +24,7 @@ class SimProvider:
             self.fleet.record_call(node, "reboot")
             sim = self.fleet.node(node)
             sim.boots += 1
+            sim.booted_at = datetime.now(UTC)
             sim.state = NodeState.REBOOTING
         return f"rebooted {node} (boot #{sim.boots})"
 
@@ -31,11 +33,16 @@ class SimProvider:
             self.fleet.record_call(node, "replace")
             sim = self.fleet.node(node)
             sim.replaced += 1
+            sim.booted_at = datetime.now(UTC)
             sim.state = NodeState.REBOOTING
             # New hardware: whatever failures were scripted for the old one are gone.
             for key in [k for k in self.fleet.diagnostic_script if k[0] == node]:
                 self.fleet.diagnostic_script[key] = deque()
         return f"replaced {node} with new hardware (replacement #{sim.replaced})"
+
+    def booted_at(self, node: str) -> datetime | None:
+        with self.fleet.lock:
+            return self.fleet.node(node).booted_at
 
     def wait_ready(self, node: str, timeout_s: float) -> bool:
         with self.fleet.lock:

@@ -26,6 +26,11 @@ class SlurmCli:
         self.slurm_conf = slurm_conf
         self.timeout_s = timeout_s
 
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> SlurmCli:
+        """Bound to the SLURM_CONF in `env` (a configuration read once), not the process environment."""
+        return cls(slurm_conf=env.get("SLURM_CONF"))
+
     def _env(self) -> Mapping[str, str]:
         env = dict(os.environ)
         if self.slurm_conf:

@@ -61,7 +61,8 @@ class SlurmRebootProvider:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SlurmRebootProvider:
         env = os.environ if env is None else env
-        return cls(convention=cast(Convention, env.get(CONVENTION_VAR, "scontrol")))  # checked in __init__
+        convention = cast(Convention, env.get(CONVENTION_VAR, "scontrol"))  # checked in __init__
+        return cls(SlurmCli.from_env(env), convention=convention)
 
     def _ours_to_act_on(self, name: str, action: str) -> SlurmNode:
         node = self.cli.node(name)

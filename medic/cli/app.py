@@ -112,13 +112,23 @@ def _runtime(policy: Path | None, database_url: str | None = None):  # type: ign
 
 
 @app.command()
-def ingest(events: EventsArgument, policy: PolicyOption = None) -> None:
+def ingest(
+    events: EventsArgument,
+    policy: PolicyOption = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Print what would be done against the live fleet; change nothing."),
+    ] = False,
+) -> None:
     """Store events, group them into incidents and remediate each through the flows."""
     from flows.dispatch import remediate_all
     from medic.cli.prefect_run import run_flows
 
     rt = _runtime(policy)
     intake = read_file(events)
+    if dry_run:
+        _dry_run(rt, intake)
+        return
     dispatch = run_flows(remediate_all(rt, intake))
     _report_rejections(intake.rejected, intake.duplicates)
     console.print(render.incidents_table([rt.store.get_incident(i.id) for i in dispatch.incidents]))  # type: ignore[misc]
@@ -126,6 +136,33 @@ def ingest(events: EventsArgument, policy: PolicyOption = None) -> None:
         err.print(f"[red]incident {incident_id} failed:[/red] {why}")
     if dispatch.failed:
         raise typer.Exit(1)
+
+
+def _dry_run(rt, intake) -> None:  # type: ignore[no-untyped-def]
+    """Decide on every incident with the live fleet size and out-of-service nodes; act on nothing."""
+    from medic.cli.plan import plan_steps
+    from medic.triage import replay
+
+    _report_rejections(intake.rejected, intake.duplicates)
+    known = rt.store.known_event_ids(e.id for e in intake.events)
+    fresh = [e for e in intake.events if e.id not in known]
+    nodes = rt.backends.scheduler.nodes()
+    loaded = rt.policy()
+    table = Table(title="Dry run: what would be done (nothing was changed)", title_justify="left")
+    for column in ("incident", "node", "decision", "would do"):
+        table.add_column(column, overflow="fold")
+    for result in replay(fresh, loaded, fleet_size=len(nodes)):
+        d = result.decision
+        jobs = [
+            j.id for j in rt.backends.scheduler.jobs_on_node(result.incident.node)
+        ] or result.incident.jobs
+        steps = plan_steps(
+            d, result.incident.node, result.incident.id, jobs, loaded.policy.defaults.verify_level
+        )
+        table.add_row(
+            result.incident.id, result.incident.node, f"{d.action.value} ({d.rule})", "\n".join(steps)
+        )
+    console.print(table)
 
 
 def _since(value: str | None) -> datetime | None:

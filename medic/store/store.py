@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event as sa_event
-from sqlalchemy import func
+from sqlalchemy import func, text, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, SQLModel, col, create_engine, select
@@ -115,6 +115,55 @@ class Store:
         with self.session() as s:
             s.add_all(_event_row(e, None, utcnow()) for e in events if e.id not in known)
             s.commit()
+
+    def record_accepted(self, events: Iterable[FaultEvent]) -> list[FaultEvent]:
+        """Store events not yet tied to an incident (one transaction); returns the ones that were new.
+
+        Used where an event must be durable before anyone correlates it (the HTTP ingest).
+        A concurrent writer may store one of the same ids first: then look again and skip it.
+        """
+        unique: dict[str, FaultEvent] = {}
+        for event in events:
+            unique.setdefault(event.id, event)
+        received_at = utcnow()
+        while True:
+            known = self.known_event_ids(unique)
+            fresh = [e for e in unique.values() if e.id not in known]
+            with self.session() as s:
+                s.add_all(_event_row(e, None, received_at) for e in fresh)
+                try:
+                    s.commit()
+                except IntegrityError:
+                    s.rollback()
+                    continue
+            return fresh
+
+    def attach_events(self, incidents: Iterable[Incident]) -> int:
+        """Tie stored events that have no incident yet to their incident; returns the rows changed."""
+        changed = 0
+        with self.session() as s:
+            for incident in incidents:
+                ids = [e.id for e in incident.events]
+                query = (
+                    update(EventRecord)
+                    .where(col(EventRecord.id).in_(ids))
+                    .where(col(EventRecord.incident_id).is_(None))
+                    .values(incident_id=incident.id)
+                )
+                changed += s.exec(query).rowcount
+            s.commit()
+        return changed
+
+    def undispatched_events(self) -> list[FaultEvent]:
+        """Accepted events no incident holds yet (a node's remediation history aside), oldest first."""
+        query = (
+            select(EventRecord)
+            .where(col(EventRecord.incident_id).is_(None))
+            .where(EventRecord.kind != "remediation")
+            .order_by(col(EventRecord.time), col(EventRecord.id))
+        )
+        with self.session() as s:
+            return [_event_of(r) for r in s.exec(query)]
 
     def incident_events(self, incident_id: str) -> list[FaultEvent]:
         query = select(EventRecord).where(EventRecord.incident_id == incident_id)
@@ -248,6 +297,26 @@ class Store:
         with self.session() as s:
             return s.exec(select(func.count()).select_from(table)).one()
 
+    def ping(self) -> None:
+        """Raise unless the database answers."""
+        with self.engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+
+    def open_incident_count(self) -> int:
+        query = (
+            select(func.count()).select_from(IncidentRecord).where(col(IncidentRecord.closed_at).is_(None))
+        )
+        with self.session() as s:
+            return s.exec(query).one()
+
+    def action_counts(self) -> dict[tuple[str, str], int]:
+        """How many node actions per (action, status): intent, succeeded, failed."""
+        query = select(ActionRecord.action, ActionRecord.status, func.count()).group_by(
+            col(ActionRecord.action), col(ActionRecord.status)
+        )
+        with self.session() as s:
+            return {(action, status): n for action, status, n in s.exec(query)}
+
     # --- what each stage did ----------------------------------------------------------------
 
     def add_step(
@@ -327,6 +396,15 @@ class Store:
                 s.rollback()
                 return s.exec(select(ActionRecord).where(ActionRecord.key == key)).one(), False
             return row, True
+
+    def unfinished_actions(self) -> list[ActionRecord]:
+        """Intents without an outcome: a process died between the call and its record."""
+        with self.session() as s:
+            return list(s.exec(select(ActionRecord).where(ActionRecord.status == "intent")))
+
+    def get_action(self, key: str) -> ActionRecord | None:
+        with self.session() as s:
+            return s.exec(select(ActionRecord).where(ActionRecord.key == key)).first()
 
     def finish_action(self, key: str, status: str, detail: str = "", attempts: int = 1) -> ActionRecord:
         with self.session() as s:

@@ -1,0 +1,36 @@
+"""What the remediation flow would do for a decision, step by step, in words (for --dry-run)."""
+
+from __future__ import annotations
+
+from medic.policy import Action, Decision
+from medic.policy.model import DESTRUCTIVE
+
+
+def plan_steps(decision: Decision, node: str, incident: str, jobs: list[str], verify_level: int) -> list[str]:
+    action = decision.action
+    if decision.guardrail:
+        return [
+            f"escalate: {decision.blocked_action} stopped by guardrail {decision.guardrail}",
+            "notify the owner",
+        ]
+    steps: list[str] = []
+    if action is Action.DIAGNOSE:
+        level = decision.diagnose_level or 1
+        if level >= 2:
+            steps.append(f"drain {node} (reason 'medic: DCGM level {level} incident {incident}')")
+        steps.append(f"run DCGM level {level} on {node}, then decide again on its result")
+    elif action in DESTRUCTIVE or action is Action.DRAIN:
+        steps.append(f"drain {node} (reason 'medic: {action.value} incident {incident}')")
+        if action in DESTRUCTIVE:
+            steps.append(f"{action.value.replace('_', ' ')} {node}")
+        steps.extend(f"requeue job {job} from its last checkpoint, excluding {node}" for job in jobs)
+        if action in DESTRUCTIVE:
+            steps.append(f"verify {node} at DCGM level {verify_level}, then resume it (or escalate)")
+    elif action is Action.REINTEGRATE:
+        steps.append(f"resume {node} if medic drained it")
+    elif action is Action.ESCALATE:
+        steps.append("escalate to humans; no node touched")
+    else:
+        steps.append(f"leave {node} alone")
+    steps.append("notify the owner" + (f" ({decision.owner})" if decision.owner else ""))
+    return steps

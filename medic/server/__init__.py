@@ -1,0 +1,1 @@
+"""The HTTP ingest service, `medic serve` (docs/serve.md)."""

@@ -1,0 +1,185 @@
+"""The ingest app: POST /v1/events, GET /healthz, GET /metrics (docs/serve.md).
+
+An event is committed to the store before its request is answered; only then is it handed
+to `on_accepted`, one batch at a time and in order, by a task that outlives the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+
+from medic.events import FaultEvent
+from medic.server.auth import SIGNATURE_HEADER, Auth
+from medic.server.decode import Problem, decode
+from medic.server.metrics import IngestMetrics
+from medic.store import Store
+
+log = logging.getLogger("medic.server")
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+OnAccepted = Callable[[list[FaultEvent]], Awaitable[None]]
+
+
+class IngestReply(BaseModel):
+    """Every posted item is counted in `accepted`, listed in `duplicates` or described in `rejected`."""
+
+    accepted: int
+    duplicates: list[str]
+    rejected: list[Problem]
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, error: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(error)
+        self.response = JSONResponse({"error": error}, status_code=status, headers=headers)
+
+
+@dataclass(frozen=True, slots=True)
+class Ingested:
+    reply: IngestReply
+    stored: list[FaultEvent]  # new events, committed
+    received: int  # items in the body, valid or not
+
+
+def ingest(store: Store, body: bytes, content_type: str | None, remote: str) -> Ingested:
+    """Validate one body and commit what it holds (blocking: run it in a worker thread)."""
+    decoded = decode(body, content_type, remote)
+    stored = store.record_accepted(decoded.events)
+    store.record_rejections(decoded.rejections)
+    unclaimed, duplicates = {e.id for e in stored}, []
+    for event in decoded.events:
+        if event.id in unclaimed:
+            unclaimed.discard(event.id)  # its first copy was stored; any later one is a duplicate
+        else:
+            duplicates.append(event.id)
+    reply = IngestReply(accepted=len(stored), duplicates=duplicates, rejected=decoded.problems)
+    return Ingested(reply, stored, len(decoded.events) + len(decoded.rejections))
+
+
+def create_app(
+    store: Store,
+    *,
+    tokens: set[str],
+    hmac_secret: bytes | None,
+    on_accepted: OnAccepted | None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    auth = Auth.of(tokens, hmac_secret)
+    metrics = IngestMetrics(store)
+    relay = _Relay(on_accepted) if on_accepted is not None else None
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if relay is None:
+            yield
+            return
+        # Events accepted before a crash but never handed on go first.
+        backlog = await anyio.to_thread.run_sync(store.undispatched_events)
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(relay.run, backlog)
+            try:
+                yield
+            finally:
+                relay.close()  # it hands on what is queued, then ends; shutdown waits for it
+
+    app = FastAPI(
+        title="GPU Medic ingest", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+
+    @app.post("/v1/events")
+    async def post_events(request: Request) -> Response:
+        started = time.perf_counter()
+        try:
+            response = await _post_events(request)
+        except _Refused as refused:
+            response = refused.response
+        metrics.latency.labels(code=str(response.status_code)).observe(time.perf_counter() - started)
+        return response
+
+    async def _post_events(request: Request) -> Response:
+        if auth.bearer_ok(request.headers.get("authorization")):
+            body = await _read_body(request, max_body_bytes)
+        elif request.headers.get(SIGNATURE_HEADER) and auth.hmac_secret is not None:
+            body = await _read_body(request, max_body_bytes)
+            if not auth.signature_ok(request.headers.get(SIGNATURE_HEADER), body):
+                raise _Refused(401, f"{SIGNATURE_HEADER} does not match the body")
+        else:
+            raise _Refused(401, "a valid bearer token is required", {"WWW-Authenticate": "Bearer"})
+        remote = request.client.host if request.client else "unknown"
+        done = await anyio.to_thread.run_sync(
+            ingest, store, body, request.headers.get("content-type"), remote
+        )
+        metrics.received.inc(done.received)
+        metrics.stored.inc(len(done.stored))
+        metrics.duplicates.inc(len(done.reply.duplicates))
+        metrics.rejected.inc(len(done.reply.rejected))
+        if done.stored and relay is not None:
+            relay.send(done.stored)
+        status = 422 if done.reply.rejected else 200
+        return JSONResponse(done.reply.model_dump(exclude_none=True), status_code=status)
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        try:
+            await anyio.to_thread.run_sync(store.ping)
+        except Exception as error:  # any failure to reach the database is "unavailable"
+            return JSONResponse({"status": "unavailable", "error": str(error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        text = await anyio.to_thread.run_sync(generate_latest, metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _Relay:
+    """Hands committed batches to `on_accepted` one at a time, in order, outside any request."""
+
+    def __init__(self, on_accepted: OnAccepted) -> None:
+        self.on_accepted = on_accepted
+        self._out, self._in = anyio.create_memory_object_stream[list[FaultEvent]](math.inf)
+
+    def send(self, events: list[FaultEvent]) -> None:
+        self._out.send_nowait(events)
+
+    def close(self) -> None:
+        self._out.close()
+
+    async def run(self, backlog: list[FaultEvent]) -> None:
+        if backlog:
+            await self._hand_on(backlog)
+        async with self._in:
+            async for events in self._in:
+                await self._hand_on(events)
+
+    async def _hand_on(self, events: list[FaultEvent]) -> None:
+        try:
+            await self.on_accepted(events)
+        except Exception:  # the events stay stored; the next batch must still be handed on
+            log.exception("on_accepted failed for %d events", len(events))
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _Refused(413, f"body larger than {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _Refused(413, f"body larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,0 +1,56 @@
+"""Who may post events: a bearer token, or an HMAC-SHA256 signature of the exact body."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+SIGNATURE_HEADER = "X-Medic-Signature"
+TOKENS_ENV = "MEDIC_INGEST_TOKENS"
+HMAC_SECRET_ENV = "MEDIC_INGEST_HMAC_SECRET"
+
+
+def sign(body: bytes, secret: bytes) -> str:
+    """The `X-Medic-Signature` value for a body: `sha256=<hex>`."""
+    return "sha256=" + hmac.new(secret, body, hashlib.sha256).hexdigest()
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    # Tokens are kept as digests so every comparison is over 32 bytes: no length leaks.
+    token_digests: frozenset[bytes]
+    hmac_secret: bytes | None
+
+    @classmethod
+    def of(cls, tokens: Iterable[str], hmac_secret: bytes | None) -> Auth:
+        return cls(frozenset(_digest(t) for t in tokens if t), hmac_secret or None)
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.token_digests) or self.hmac_secret is not None
+
+    def bearer_ok(self, authorization: str | None) -> bool:
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        offered = _digest(token.strip())
+        # Compare against every token, never stopping early, so timing says nothing about which.
+        return any([hmac.compare_digest(offered, known) for known in self.token_digests])
+
+    def signature_ok(self, signature: str | None, body: bytes) -> bool:
+        if self.hmac_secret is None or not signature:
+            return False
+        return hmac.compare_digest(signature.strip().encode(), sign(body, self.hmac_secret).encode())
+
+
+def auth_from_env(env: Mapping[str, str]) -> Auth:
+    """MEDIC_INGEST_TOKENS (comma-separated) and MEDIC_INGEST_HMAC_SECRET."""
+    tokens = [t.strip() for t in env.get(TOKENS_ENV, "").split(",")]
+    secret = env.get(HMAC_SECRET_ENV, "")
+    return Auth.of(tokens, secret.encode() if secret else None)

@@ -1,0 +1,63 @@
+"""Prometheus metrics for one ingest app: its own registry, so two apps never share counters."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from medic.store import Store
+
+
+class StoreCollector(Collector):
+    """Figures read from the store at scrape time: they stay right across restarts and replicas."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def describe(self) -> Iterator[Metric]:
+        # Named here so registering costs no query.
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        incidents, actions = self._families()
+        incidents.add_metric([], self.store.open_incident_count())
+        for (action, status), count in sorted(self.store.action_counts().items()):
+            actions.add_metric([action, status], count)
+        yield incidents
+        yield actions
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, CounterMetricFamily]:
+        return (
+            GaugeMetricFamily("medic_incidents_open", "Incidents not closed yet."),
+            CounterMetricFamily(
+                "medic_actions", "Node actions recorded in the store.", labels=["action", "status"]
+            ),
+        )
+
+
+class IngestMetrics:
+    def __init__(self, store: Store) -> None:
+        self.registry = CollectorRegistry()
+        self.received = Counter(
+            "medic_events_received", "Items posted to /v1/events (valid or not).", registry=self.registry
+        )
+        self.stored = Counter(
+            "medic_events_stored", "Posted events stored for the first time.", registry=self.registry
+        )
+        self.duplicates = Counter(
+            "medic_events_duplicate", "Posted events whose id was already stored.", registry=self.registry
+        )
+        self.rejected = Counter(
+            "medic_events_rejected", "Posted items that were not valid events.", registry=self.registry
+        )
+        self.latency = Histogram(
+            "medic_ingest_seconds",
+            "Time to answer POST /v1/events, by HTTP status.",
+            labelnames=["code"],
+            registry=self.registry,
+        )
+        self.registry.register(StoreCollector(store))

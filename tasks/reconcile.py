@@ -1,0 +1,33 @@
+"""Settling actions whose outcome was lost in a crash, by asking the backend, not guessing."""
+
+from __future__ import annotations
+
+from integrations.protocols import BootClock
+from tasks.runtime import Runtime
+
+REBOOTING = frozenset({"reboot", "replace"})
+
+
+def reconcile_intents(rt: Runtime) -> list[str]:
+    """Run once at start: each unfinished reboot/replace becomes succeeded or failed when the
+    provider knows the node's boot time; anything else stays an intent, and the act stage
+    escalates it instead of repeating a destructive action blind."""
+    provider = rt.backends.provider
+    settled = []
+    for action in rt.store.unfinished_actions():
+        if action.action not in REBOOTING or not isinstance(provider, BootClock):
+            continue
+        booted = provider.booted_at(action.node)
+        if booted is None:
+            continue
+        if booted >= action.intent_at:
+            rt.store.finish_action(
+                action.key, "succeeded", f"reconciled: {action.node} booted at {booted:%H:%M:%S}"
+            )
+            settled.append(f"{action.key}: done (booted after the intent)")
+        else:
+            rt.store.finish_action(
+                action.key, "failed", "reconciled: the node has not booted since the intent"
+            )
+            settled.append(f"{action.key}: not done (may be retried)")
+    return settled
