@@ -15,7 +15,6 @@ imported only when chosen: a simulated setup never needs boto3 credentials or Sl
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -127,7 +126,7 @@ def _checkpoints(env: Env, fallback: CheckpointStore) -> CheckpointStore:
 
 
 def from_settings(settings: Settings, env: Env | None = None) -> Backends:
-    env = os.environ if env is None else env
+    env = settings.env if env is None else env
     sim, _ = simulated()
     return Backends(
         scheduler=_choose("scheduler", settings.scheduler, env, sim.scheduler),

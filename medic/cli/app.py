@@ -426,4 +426,8 @@ def schema() -> None:
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except PolicyError as error:  # a broken config file: file:line:column, no traceback
+        err.print(str(error), markup=False, highlight=False)
+        raise SystemExit(2) from None

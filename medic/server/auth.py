@@ -31,10 +31,6 @@ class Auth:
     def of(cls, tokens: Iterable[str], hmac_secret: bytes | None) -> Auth:
         return cls(frozenset(_digest(t) for t in tokens if t), hmac_secret or None)
 
-    @property
-    def configured(self) -> bool:
-        return bool(self.token_digests) or self.hmac_secret is not None
-
     def bearer_ok(self, authorization: str | None) -> bool:
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
@@ -49,8 +45,7 @@ class Auth:
         return hmac.compare_digest(signature.strip().encode(), sign(body, self.hmac_secret).encode())
 
 
-def auth_from_env(env: Mapping[str, str]) -> Auth:
-    """MEDIC_INGEST_TOKENS (comma-separated) and MEDIC_INGEST_HMAC_SECRET."""
-    tokens = [t.strip() for t in env.get(TOKENS_ENV, "").split(",")]
-    secret = env.get(HMAC_SECRET_ENV, "")
-    return Auth.of(tokens, secret.encode() if secret else None)
+def credentials_from_env(env: Mapping[str, str]) -> tuple[set[str], bytes | None]:
+    """The tokens in MEDIC_INGEST_TOKENS (comma-separated) and the MEDIC_INGEST_HMAC_SECRET."""
+    tokens = {t.strip() for t in env.get(TOKENS_ENV, "").split(",") if t.strip()}
+    return tokens, env.get(HMAC_SECRET_ENV, "").encode() or None

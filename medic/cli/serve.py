@@ -1,0 +1,106 @@
+"""`medic serve` and `medic emit`: the HTTP ingest service and its client (docs/serve.md).
+
+Plain functions with typer options, registered in medic/cli/app.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import httpx
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from medic.server import DEFAULT_HOST, DEFAULT_PORT
+from medic.server.emit import DEFAULT_URL, TOKEN_ENV, URL_ENV, build_event, parse_attribute, post_events
+
+err = Console(stderr=True, soft_wrap=True)
+
+
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = DEFAULT_HOST,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = DEFAULT_PORT,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+    access_log: Annotated[bool, typer.Option(help="Log every request.")] = True,
+) -> None:
+    """Run the HTTP ingest service: POST /v1/events, GET /healthz, GET /metrics."""
+    from medic.server.main import ServeConfigError
+    from medic.server.main import serve as run_server
+
+    try:
+        run_server(host, port, log_level=log_level, access_log=access_log)
+    except ServeConfigError as error:
+        err.print(f"[red]error:[/red] {escape(str(error))}")
+        raise typer.Exit(2) from None
+
+
+def emit(
+    kind: Annotated[str | None, typer.Option(help="Event kind: xid, ecc, nan_loss, ...")] = None,
+    node: Annotated[str | None, typer.Option(help="The node the event is about.")] = None,
+    gpu: Annotated[int | None, typer.Option(help="GPU index on the node.")] = None,
+    job: Annotated[str | None, typer.Option(help="Training job id.")] = None,
+    rank: Annotated[int | None, typer.Option(help="Rank in the job.")] = None,
+    iteration: Annotated[int | None, typer.Option(help="Training iteration.")] = None,
+    switch: Annotated[str | None, typer.Option(help="Leaf switch or rack.")] = None,
+    attr: Annotated[
+        list[str] | None,
+        typer.Option("--attr", help="An attribute as key=value (value read as JSON); repeat."),
+    ] = None,
+    source: Annotated[str, typer.Option(help="Who saw it.")] = "medic-emit",
+    event_id: Annotated[str | None, typer.Option("--id", help="Event id (default: a new UUID).")] = None,
+    time: Annotated[str | None, typer.Option(help="RFC 3339 time (default: now).")] = None,
+    file: Annotated[
+        Path | None, typer.Option("--file", "-f", help="Post this JSON-lines file instead ('-': stdin).")
+    ] = None,
+    url: Annotated[str, typer.Option(envvar=URL_ENV, help="The medic serve address.")] = DEFAULT_URL,
+) -> None:
+    """Post one event built from options, or a JSON-lines file, to `medic serve`; print its answer."""
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise typer.BadParameter(f"set {TOKEN_ENV} to an ingest token", param_hint=TOKEN_ENV)
+    if file is not None:
+        if kind or node:
+            raise typer.BadParameter("give either --file or --kind/--node, not both")
+        body = sys.stdin.buffer.read() if str(file) == "-" else _read(file)
+        content_type = "application/x-ndjson"
+    else:
+        if not kind or not node:
+            raise typer.BadParameter("--kind and --node are required without --file")
+        try:
+            attributes = dict(parse_attribute(pair) for pair in attr or [])
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--attr") from None
+        event = build_event(
+            kind=kind,
+            node=node,
+            source=source,
+            event_id=event_id,
+            time=time,
+            attributes=attributes,
+            gpu=gpu,
+            job=job,
+            rank=rank,
+            iteration=iteration,
+            switch=switch,
+        )
+        body, content_type = json.dumps(event).encode(), "application/json"
+    try:
+        response = post_events(url, token, body, content_type)
+    except httpx.HTTPError as error:
+        err.print(f"[red]error:[/red] {escape(url)}: {escape(str(error) or type(error).__name__)}")
+        raise typer.Exit(1) from None
+    sys.stdout.write(response.text.rstrip("\n") + "\n")
+    if not response.is_success:
+        raise typer.Exit(1)
+
+
+def _read(file: Path) -> bytes:
+    try:
+        return file.read_bytes()
+    except OSError as error:
+        raise typer.BadParameter(f"{file}: {error.strerror or error}", param_hint="--file") from None

@@ -1,0 +1,41 @@
+"""Running the ingest app under uvicorn, configured from the environment (docs/serve.md)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import uvicorn
+
+from medic.config import load_settings
+from medic.server import DEFAULT_HOST, DEFAULT_PORT
+from medic.server.app import OnAccepted, create_app
+from medic.server.auth import HMAC_SECRET_ENV, TOKENS_ENV, credentials_from_env
+from medic.store import Store
+
+
+class ServeConfigError(Exception):
+    pass
+
+
+def serve(
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    *,
+    on_accepted: OnAccepted | None = None,
+    log_level: str = "info",
+    access_log: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Serve until interrupted. The store is MEDIC_DATABASE_URL; credentials MEDIC_INGEST_*."""
+    env = os.environ if env is None else env
+    tokens, secret = credentials_from_env(env)
+    if not tokens and secret is None:
+        # An open ingest endpoint would let anyone trigger node reboots: refuse to start.
+        raise ServeConfigError(f"set {TOKENS_ENV} (comma-separated tokens) or {HMAC_SECRET_ENV}")
+    store = Store(load_settings(dict(env)).database_url)
+    try:
+        app = create_app(store, tokens=tokens, hmac_secret=secret, on_accepted=on_accepted)
+        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log)
+    finally:
+        store.close()
