@@ -15,6 +15,7 @@ from prefect.runtime import flow_run
 from prefect.states import State
 from pydantic import BaseModel
 
+from flows.approval import await_approval
 from flows.ladder import diagnose_ladder
 from integrations.protocols import Message
 from medic.audit import incident_markdown
@@ -27,6 +28,7 @@ from tasks.guard import ensure_limits
 from tasks.notify import notify
 from tasks.resume import ResumeOutcome, resume_job
 from tasks.runtime import current
+from tasks.stage import stage
 from tasks.triage import Triage, triage
 from tasks.verify import VerifyOutcome, verify
 
@@ -119,6 +121,18 @@ async def remediate(incident_id: str, node: str) -> Outcome:
         decision = decision.model_copy(
             update={"action": Action.ESCALATE, "reason": decision.reason + "; ladder exhausted"}
         )
+    if decision.approve and decision.action not in (Action.NONE, Action.ESCALATE):
+        with stage(current().store, incident_id, "approval") as log:
+            answer = await await_approval(triaged, decision)
+            log.done(answer.detail)
+        if not answer.approved:
+            decision = decision.model_copy(
+                update={
+                    "action": Action.ESCALATE,
+                    "blocked_action": decision.action,
+                    "reason": f"{decision.reason}; {answer.detail}",
+                }
+            )
     await _tag_run(triaged, decision)
 
     state: State[ActOutcome] = act(incident_id, node, triaged.gpu, decision, return_state=True)

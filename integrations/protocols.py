@@ -106,6 +106,7 @@ class Message:
     body: str
     recommend: tuple[str, ...] = ()
     fields: dict[str, str] = field(default_factory=dict)
+    approval_run: str | None = None  # a paused flow run waiting for Approve / Reject
 
 
 @runtime_checkable

@@ -106,4 +106,5 @@ def torchrun(workdir: Path, ranks: int, *args: str, ckpt_dir: Path | None = None
     except subprocess.TimeoutExpired:
         kill_tree(process)
         raise
+    (workdir / "torchrun.log").write_text(output)  # kept for a failed assertion's post-mortem
     return replace(run, returncode=process.returncode, output=output)

@@ -369,6 +369,7 @@ def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
         reason=reason,
         recommend=list(then.recommend),
         owner=then.owner,
+        approve=then.approve or action in policy.approvals.required_for,
         matched=[c[1].id for c in candidates],
         policy_sha256=policy_sha256,
     )

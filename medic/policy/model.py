@@ -199,6 +199,7 @@ class Then(_Strict):
     owner: str | None = Field(
         None, description="Tell this owner (a key of `owners`, e.g. network) instead of the job's owner."
     )
+    approve: bool = Field(False, description="A human must approve the action first (see `approvals`).")
 
     @model_validator(mode="after")
     def _level_for_diagnose(self) -> Then:
@@ -259,6 +260,22 @@ class Guardrails(_Strict):
     )
 
 
+class Approvals(_Strict):
+    """Who may approve actions the policy reserves for humans, and what happens without an answer."""
+
+    approvers: list[str] = Field(
+        default_factory=list, description="Slack user ids or names allowed to approve or reject."
+    )
+    required_for: list[Action] = Field(
+        default_factory=list,
+        description="Actions that always need approval on this cluster (e.g. [replace]).",
+    )
+    timeout_minutes: float = Field(60, gt=0)
+    on_timeout: Literal["escalate", "proceed"] = Field(
+        "escalate", description="escalate: keep the node drained and hand it to humans."
+    )
+
+
 class Defaults(_Strict):
     incident_window_minutes: PositiveInt = 10
     classification: Classification = Classification.UNKNOWN
@@ -275,6 +292,7 @@ class Policy(_Strict):
         default_factory=dict, description="Owner or team name -> Slack channel or user."
     )
     guardrails: Guardrails = Field(default_factory=Guardrails)
+    approvals: Approvals = Field(default_factory=Approvals)
     rules: list[Rule]
 
     def lookback(self) -> timedelta:
@@ -306,6 +324,7 @@ class Decision(_Strict):
     matched: list[str] = Field(default_factory=list, description="Every rule that matched, winner first.")
     policy_sha256: str = ""
     owner: str | None = Field(None, description="Who to tell, when the rule names one.")
+    approve: bool = Field(False, description="A human must approve before the action is taken.")
     guardrail: str | None = Field(None, description="The guardrail that stopped the rule's action.")
     blocked_action: Action | None = Field(
         None, description="What the rule asked for, when a guardrail said no."

@@ -22,16 +22,24 @@ class StoreCollector(Collector):
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        incidents, actions = self._families()
-        incidents.add_metric([], self.store.open_incident_count())
-        for (action, status), count in sorted(self.store.action_counts().items()):
+        up, incidents, actions = self._families()
+        try:
+            open_incidents = self.store.open_incident_count()
+            action_counts = self.store.action_counts()
+        except Exception:  # a scrape while the database is down must still show the ingest counters
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        incidents.add_metric([], open_incidents)
+        for (action, status), count in sorted(action_counts.items()):
             actions.add_metric([action, status], count)
-        yield incidents
-        yield actions
+        yield from (up, incidents, actions)
 
     @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, CounterMetricFamily]:
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
         return (
+            GaugeMetricFamily("medic_store_up", "1 if the store answered this scrape, else 0."),
             GaugeMetricFamily("medic_incidents_open", "Incidents not closed yet."),
             CounterMetricFamily(
                 "medic_actions", "Node actions recorded in the store.", labels=["action", "status"]

@@ -139,6 +139,22 @@ class ActionRecord(SQLModel, table=True):
     detail: str = Field(default="", sa_column=Column(Text, nullable=False))
 
 
+class ApprovalRecord(SQLModel, table=True):
+    """A request for a human's approval and its answer: who, when, through what."""
+
+    __tablename__ = "approvals"
+
+    id: int | None = Field(default=None, primary_key=True)
+    incident_id: str = Field(index=True)
+    action: str
+    requested_at: datetime = _time()
+    answered_at: datetime | None = _time(nullable=True)
+    approved: bool | None = None
+    by: str | None = None
+    via: str | None = None  # slack | prefect | timeout
+    comment: str = Field(default="", sa_column=Column(Text, nullable=False))
+
+
 class BreakerRecord(SQLModel, table=True):
     """The circuit breaker's history: a row per opening, closed by a named human."""
 

@@ -1,0 +1,92 @@
+"""Asking a human before an action the policy reserves: pause the flow run for typed input.
+
+The run pauses (Prefect's pause with a RunInput), the owners get a message with Approve and
+Reject buttons; `medic serve` turns a click into `resume_flow_run(..., run_input=...)`, and the
+Prefect UI's resume form works the same way. Every request and answer goes into the store.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prefect import get_run_logger
+from prefect.exceptions import FlowPauseTimeout
+from prefect.flow_runs import pause_flow_run
+from prefect.input import RunInput
+from prefect.runtime import flow_run
+from pydantic import BaseModel
+
+from integrations.protocols import Message
+from medic.policy import Decision
+from medic.policy.model import DESTRUCTIVE
+from tasks.node_ops import ensure_drained
+from tasks.runtime import current
+from tasks.triage import Triage
+
+
+class Approval(RunInput):
+    approved: bool
+    by: str
+    via: str = "prefect"
+    comment: str = ""
+
+
+class ApprovalOutcome(BaseModel):
+    approved: bool
+    detail: str
+
+
+def _poll_seconds() -> int:
+    # Prefect's default (10 s) is a long time to keep a drained node waiting after a click.
+    return int(os.environ.get("MEDIC_APPROVAL_POLL_SECONDS", "2"))
+
+
+async def await_approval(triaged: Triage, decision: Decision) -> ApprovalOutcome:
+    rt = current()
+    approvals = rt.policy().policy.approvals
+    action = decision.action.value
+    if decision.action in DESTRUCTIVE:
+        # Keep new work off a suspect node while humans think about it.
+        ensure_drained(rt, triaged.incident, triaged.node, f"{action} awaiting approval")
+    request = rt.store.request_approval(triaged.incident, action)
+    rt.store.update_incident(triaged.incident, status="waiting for approval")
+    run_id = str(flow_run.id) if flow_run.id else None
+    try:
+        rt.backends.notifier.post(
+            Message(
+                incident=triaged.incident,
+                channel=triaged.channel,
+                title=f"Approval needed: {action} {triaged.node}",
+                body=f"Rule `{decision.rule}`: {decision.reason}\nNo answer within "
+                f"{approvals.timeout_minutes:g} min: {approvals.on_timeout}.",
+                recommend=tuple(decision.recommend),
+                fields={"node": triaged.node, "jobs": ", ".join(triaged.jobs), "owner": triaged.owner or ""},
+                approval_run=run_id,
+            )
+        )
+    except Exception as error:  # the request still stands in the Prefect UI: a chat outage must not decide
+        get_run_logger().warning("approval request not delivered (%s); answer it in the Prefect UI", error)
+    try:
+        answer = await pause_flow_run(
+            wait_for_input=Approval,
+            timeout=max(1, round(approvals.timeout_minutes * 60)),
+            poll_interval=_poll_seconds(),
+            key=f"approval-{request.id}",
+        )
+    except FlowPauseTimeout:
+        proceed = approvals.on_timeout == "proceed"
+        rt.store.answer_approval(request.id or 0, approved=None, by=None, via="timeout")
+        return ApprovalOutcome(
+            approved=proceed,
+            detail=f"no answer within {approvals.timeout_minutes:g} min: {approvals.on_timeout}",
+        )
+    if approvals.approvers and answer.by not in approvals.approvers:
+        rt.store.answer_approval(
+            request.id or 0, approved=False, by=answer.by, via=answer.via, comment="not an approver"
+        )
+        return ApprovalOutcome(approved=False, detail=f"{answer.by} is not an approver; treated as rejected")
+    rt.store.answer_approval(
+        request.id or 0, approved=answer.approved, by=answer.by, via=answer.via, comment=answer.comment
+    )
+    verdict = "approved" if answer.approved else "rejected"
+    return ApprovalOutcome(approved=answer.approved, detail=f"{verdict} by {answer.by} via {answer.via}")

@@ -1,0 +1,141 @@
+"""Approvals: a real paused flow run, resumed with typed input; rejection and timeout escalate."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.flow_runs import resume_flow_run
+
+from flows.dispatch import Dispatch, remediate_all
+from integrations.protocols import NodeState
+from integrations.sim.fleet import SimFleet
+from integrations.sim.notifier import RecordingNotifier
+from medic.config import REPO_ROOT
+from medic.events import FaultEvent
+from medic.intake import read_lines
+from tasks.runtime import Runtime
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+APPROVALS = """
+approvals:
+  approvers: [alice]
+  required_for: [reboot]
+  timeout_minutes: {minutes}
+"""
+
+
+@pytest.fixture
+def needs_approval(runtime: Runtime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Runtime:
+    monkeypatch.setenv("MEDIC_APPROVAL_POLL_SECONDS", "1")
+    path = tmp_path / "policy.yaml"
+    shutil.copy(REPO_ROOT / "policies" / "default.yaml", path)
+    runtime.policy_path = path
+    return runtime
+
+
+def set_timeout(rt: Runtime, minutes: float) -> None:
+    text = rt.policy_path.read_text().replace(
+        "\nrules:\n", APPROVALS.format(minutes=minutes) + "\nrules:\n", 1
+    )
+    rt.policy_path.write_text(text)
+
+
+def xid79(node: str) -> list[str]:
+    event = {
+        "id": f"appr-{node}",
+        "time": datetime.now(UTC).isoformat(),
+        "source": "t",
+        "kind": "xid",
+        "node": node,
+        "attributes": {"code": 79},
+    }
+    return [FaultEvent.model_validate(event).model_dump_json()]
+
+
+def run_in_background(rt: Runtime, lines: list[str]) -> tuple[threading.Thread, dict[str, Any]]:
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        result["dispatch"] = asyncio.run(remediate_all(rt, read_lines(lines, "t.jsonl")))
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def paused_run(rt: Runtime, node: str, timeout_s: float = 60) -> UUID:
+    deadline = time.monotonic() + timeout_s
+
+    async def state(run_id: UUID) -> bool:
+        async with get_client() as client:
+            run = await client.read_flow_run(run_id)
+            return bool(run.state and run.state.is_paused())
+
+    while time.monotonic() < deadline:
+        found = rt.store.find_incidents(node=node)
+        if found and found[0].status == "waiting for approval" and found[0].flow_run_id:
+            run_id = UUID(found[0].flow_run_id)
+            if asyncio.run(state(run_id)):
+                return run_id
+        time.sleep(0.3)
+    found = rt.store.find_incidents(node=node)
+    raise AssertionError(f"the flow run never paused for approval: {found}")
+
+
+def test_approved_by_an_approver_acts(needs_approval: Runtime, fleet: SimFleet) -> None:
+    set_timeout(needs_approval, 5)
+    thread, result = run_in_background(needs_approval, xid79("gpu-node-1"))
+    run_id = paused_run(needs_approval, "gpu-node-1")
+    # While it waits, the suspect node takes no new work, and the humans were asked.
+    assert fleet.nodes["gpu-node-1"].state is NodeState.DRAINED
+    notifier = needs_approval.backends.notifier
+    assert isinstance(notifier, RecordingNotifier)
+    asks = [t.message for t in notifier.threads.values() if t.message.approval_run]
+    assert asks and asks[0].approval_run == str(run_id)
+    resume_flow_run(run_id, run_input={"approved": True, "by": "alice", "via": "prefect"})
+    thread.join(timeout=120)
+    dispatch: Dispatch = result["dispatch"]
+    (outcome,) = dispatch.outcomes
+    assert (outcome.action, outcome.act) == ("reboot", "done")
+    assert fleet.nodes["gpu-node-1"].boots == 1
+    (approval,) = needs_approval.store.approvals(outcome.incident)
+    assert (approval.approved, approval.by, approval.via) == (True, "alice", "prefect")
+
+
+@pytest.mark.parametrize(
+    ("by", "approved"), [("alice", False), ("mallory", True)], ids=["rejected", "not-approver"]
+)
+def test_rejected_or_unauthorised_answers_escalate(
+    needs_approval: Runtime, fleet: SimFleet, by: str, approved: bool
+) -> None:
+    set_timeout(needs_approval, 5)
+    thread, result = run_in_background(needs_approval, xid79("gpu-node-2"))
+    resume_flow_run(paused_run(needs_approval, "gpu-node-2"), run_input={"approved": approved, "by": by})
+    thread.join(timeout=120)
+    (outcome,) = result["dispatch"].outcomes
+    assert outcome.action == "escalate" and fleet.nodes["gpu-node-2"].boots == 0
+    # Nothing was rebooted; the node stays out of service for a human.
+    assert fleet.nodes["gpu-node-2"].state is NodeState.DRAINED
+    (answer,) = needs_approval.store.approvals(outcome.incident)
+    assert (answer.approved, answer.by) == (False, by)
+    assert answer.comment == ("not an approver" if by == "mallory" else "")
+
+
+def test_no_answer_in_time_escalates(needs_approval: Runtime, fleet: SimFleet) -> None:
+    set_timeout(needs_approval, 0.05)  # three seconds
+    dispatch = asyncio.run(remediate_all(needs_approval, read_lines(xid79("gpu-node-4"), "t.jsonl")))
+    (outcome,) = dispatch.outcomes
+    assert outcome.action == "escalate" and "no answer within" in outcome.reason
+    (approval,) = needs_approval.store.approvals(outcome.incident)
+    assert (approval.approved, approval.via) == (None, "timeout")
+    assert fleet.nodes["gpu-node-4"].boots == 0

@@ -1,0 +1,671 @@
+"""The HTTP ingest service (medic/server): formats, auth, the reply contract, durability, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from threading import Barrier
+from typing import Any
+
+import httpx
+import pytest
+import typer
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import text
+from typer.testing import CliRunner
+
+from medic.events import FaultEvent
+from medic.incidents import Incident
+from medic.server.app import create_app
+from medic.server.auth import sign
+from medic.server.emit import parse_attribute
+from medic.store import Store
+from medic.store.tables import EventRecord, RejectedRecord
+
+TOKEN = "s3cret-token"
+SECRET = b"hmac-secret"
+REMOTE = "10.0.0.7"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+NDJSON = {**BEARER, "Content-Type": "application/x-ndjson"}
+T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
+
+
+def ev(event_id: str, kind: str = "xid", **fields: Any) -> dict[str, Any]:
+    event = {
+        "id": event_id,
+        "time": "2025-03-01T12:00:00Z",
+        "source": "agent",
+        "kind": kind,
+        "node": "gpu-017",
+        "attributes": {"code": 79} if kind == "xid" else {},
+    }
+    return event | fields
+
+
+def lines(*events: dict[str, Any] | str) -> str:
+    return "\n".join(e if isinstance(e, str) else json.dumps(e) for e in events) + "\n"
+
+
+def stored_ids(store: Store) -> set[str]:
+    with store.session() as s:
+        return set(s.exec(text("SELECT id FROM events")).scalars())
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@asynccontextmanager
+async def serving(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """The app with its lifespan running (as under uvicorn), and a client from REMOTE."""
+    transport = httpx.ASGITransport(app=app, client=(REMOTE, 40000))
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://medic") as client,
+    ):
+        yield client
+
+
+def make_app(store: Store, **options: Any) -> FastAPI:
+    return create_app(
+        store,
+        tokens=options.pop("tokens", {TOKEN, "other-token"}),
+        hmac_secret=options.pop("hmac_secret", SECRET),
+        on_accepted=options.pop("on_accepted", None),
+        **options,
+    )
+
+
+# --- input formats ---------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_single_event_is_committed_before_the_reply(sqlite_store: Store) -> None:
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.post("/v1/events", json=ev("e1", gpu=3), headers=BEARER)
+        assert response.status_code == 200
+        assert response.json() == {"accepted": 1, "duplicates": [], "rejected": []}
+        # Read back through a second store on the same file: it is on disk, not in a session.
+        other = Store(sqlite_store.url)
+        [row] = other.undispatched_events()
+        other.close()
+    assert (row.id, row.gpu, row.attributes) == ("e1", 3, {"code": 79})
+
+
+@pytest.mark.anyio
+async def test_a_json_array_is_stored_in_one_request(sqlite_store: Store) -> None:
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.post("/v1/events", json=[ev(f"e{i}") for i in range(5)], headers=BEARER)
+    assert response.json()["accepted"] == 5
+    assert stored_ids(sqlite_store) == {f"e{i}" for i in range(5)}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("content_type", ["application/x-ndjson", "application/jsonl", None, "text/plain"])
+async def test_json_lines_by_content_type_or_sniffed(sqlite_store: Store, content_type: str | None) -> None:
+    # U+2028 is legal inside a JSON string: it must not split a line.
+    body = lines(ev("l1"), "", ev("l2", attributes={"code": 79, "message": "a\u2028b"}))
+    headers = BEARER | ({"Content-Type": content_type} if content_type else {})
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.post("/v1/events", content=body.encode(), headers=headers)
+    assert response.json() == {"accepted": 2, "duplicates": [], "rejected": []}
+    assert stored_ids(sqlite_store) == {"l1", "l2"}
+
+
+def cloudevent(event_id: str, kind: str = "medic.fault.xid", **data: Any) -> dict[str, Any]:
+    return {
+        "specversion": "1.0",
+        "type": kind,
+        "source": "dcgm-exporter",
+        "id": event_id,
+        "time": "2025-03-01T12:00:00Z",
+        "datacontenttype": "application/json",
+        "subject": "ignored",
+        "data": {"node": "gpu-042", "gpu": 5, "job": "train-7", "attributes": {"code": 48}} | data,
+    }
+
+
+@pytest.mark.anyio
+async def test_cloudevents_structured_batch_and_sniffed(sqlite_store: Store) -> None:
+    async with serving(make_app(sqlite_store)) as client:
+        single = await client.post(
+            "/v1/events",
+            content=json.dumps(cloudevent("ce1")),
+            headers=BEARER | {"Content-Type": "application/cloudevents+json; charset=utf-8"},
+        )
+        batch = await client.post(
+            "/v1/events",
+            content=json.dumps([cloudevent("ce2", "ecc", attributes={"dbe": 1}), cloudevent("ce3")]),
+            headers=BEARER | {"Content-Type": "application/cloudevents-batch+json"},
+        )
+        sniffed = await client.post("/v1/events", json=cloudevent("ce4"), headers=BEARER)
+    assert [r.json()["accepted"] for r in (single, batch, sniffed)] == [1, 2, 1]
+    events = {e.id: e for e in sqlite_store.undispatched_events()}
+    assert events["ce1"].model_dump(mode="json", exclude_none=True) == {
+        "id": "ce1",
+        "time": "2025-03-01T12:00:00Z",
+        "source": "dcgm-exporter",
+        "kind": "xid",
+        "node": "gpu-042",
+        "gpu": 5,
+        "job": "train-7",
+        "attributes": {"code": 48},
+    }
+    assert (events["ce2"].kind, events["ce2"].attributes) == ("ecc", {"dbe": 1, "sbe": 0})
+
+
+@pytest.mark.anyio
+async def test_bad_cloudevents_name_the_field_and_keep_what_was_sent(sqlite_store: Store) -> None:
+    no_time = cloudevent("ce1")
+    del no_time["time"]
+    bad = [
+        no_time,
+        cloudevent("ce2", id="inner"),
+        cloudevent("ce3") | {"specversion": "0.3"},
+        cloudevent("ce4", attributes={}),
+        {"specversion": "1.0", "id": "ce5", "source": "x"},
+    ]
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.post(
+            "/v1/events",
+            content=json.dumps(bad),
+            headers=BEARER | {"Content-Type": "application/cloudevents-batch+json"},
+        )
+    assert response.status_code == 422
+    assert response.json()["rejected"] == [
+        {"index": 0, "error": "time: Field required"},
+        {"index": 1, "error": "data.id: set by the CloudEvent's `id` attribute, not in data"},
+        {"index": 2, "error": "specversion: only '1.0' is supported, got '0.3'"},
+        {"index": 3, "error": "attributes.code: Field required"},
+        {"index": 4, "error": "type: Field required (a CloudEvents attribute)"},
+    ]
+    rejected = sqlite_store.rejections()
+    assert json.loads(rejected[3].raw) == bad[3]  # the CloudEvent as sent, not our envelope
+
+
+# --- the reply contract: partial batches, named problems, the dead letter -----------------------
+
+
+@pytest.mark.anyio
+async def test_a_bad_json_line_is_named_its_siblings_stored_and_it_is_dead_lettered(
+    sqlite_store: Store,
+) -> None:
+    body = lines(ev("ok-1"), ev("ok-2"), '{"id": "broken",', ev("ok-3"))
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.post("/v1/events", content=body, headers=NDJSON)
+    assert response.status_code == 422
+    reply = response.json()
+    assert reply["accepted"] == 3
+    [problem] = reply["rejected"]
+    assert problem["line"] == 3 and problem["error"].startswith("not JSON:")
+    assert stored_ids(sqlite_store) == {"ok-1", "ok-2", "ok-3"}
+    [dead] = sqlite_store.rejections()
+    assert (dead.origin, dead.raw) == (f"http:{REMOTE}:3", '{"id": "broken",')
+
+
+@pytest.mark.anyio
+async def test_a_broken_json_document_is_named_by_line(sqlite_store: Store) -> None:
+    body = '[\n  {"id": "a"},\n  {"id": "b" "kind": 1}\n]'
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.post(
+            "/v1/events", content=body, headers=BEARER | {"Content-Type": "application/json"}
+        )
+    assert response.status_code == 422
+    assert response.json() == {
+        "accepted": 0,
+        "duplicates": [],
+        "rejected": [{"line": 3, "error": "not JSON: Expecting ',' delimiter at line 3 column 14"}],
+    }
+    assert sqlite_store.rejections()[0].raw == body
+
+
+@pytest.mark.anyio
+async def test_an_invalid_field_is_named_with_its_index(sqlite_store: Store) -> None:
+    batch = [ev("good"), ev("bad", attributes={"message": "no code"}), ev("worse", gpu=-1), 42]
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.post("/v1/events", json=batch, headers=BEARER)
+    assert response.status_code == 422
+    assert response.json() == {
+        "accepted": 1,
+        "duplicates": [],
+        "rejected": [
+            {"index": 1, "error": "attributes.code: Field required"},
+            {"index": 2, "error": "gpu: Input should be greater than or equal to 0"},
+            {"index": 3, "error": "expected a JSON object, got int"},
+        ],
+    }
+    assert stored_ids(sqlite_store) == {"good"}
+    assert [r.origin for r in sqlite_store.rejections()] == [f"http:{REMOTE}:[{i}]" for i in (1, 2, 3)]
+
+
+@pytest.mark.anyio
+async def test_repeated_ids_are_duplicates_not_errors(sqlite_store: Store) -> None:
+    async with serving(make_app(sqlite_store)) as client:
+        first = await client.post("/v1/events", json=[ev("a"), ev("b"), ev("a")], headers=BEARER)
+        again = await client.post("/v1/events", json=[ev("b"), ev("c")], headers=BEARER)
+    assert (first.status_code, first.json()) == (200, {"accepted": 2, "duplicates": ["a"], "rejected": []})
+    assert (again.status_code, again.json()) == (200, {"accepted": 1, "duplicates": ["b"], "rejected": []})
+    assert sqlite_store.count(EventRecord) == 3
+
+
+@pytest.mark.anyio
+async def test_an_empty_body_accepts_nothing(sqlite_store: Store) -> None:
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.post("/v1/events", content=b"\n\n", headers=NDJSON)
+    assert (response.status_code, response.json()["accepted"]) == (200, 0)
+
+
+@pytest.mark.anyio
+async def test_a_body_over_the_limit_is_refused_unread(sqlite_store: Store) -> None:
+    async with serving(make_app(sqlite_store, max_body_bytes=1000)) as client:
+        response = await client.post("/v1/events", json=[ev(f"e{i}") for i in range(20)], headers=BEARER)
+    assert response.status_code == 413
+    assert sqlite_store.count(EventRecord) == 0
+
+
+# --- authentication ----------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": "Bearer "},
+        {"X-Medic-Signature": "sha256=" + "0" * 64},
+    ],
+    ids=["none", "wrong-token", "wrong-scheme", "empty-token", "bad-signature"],
+)
+async def test_without_valid_credentials_401_and_nothing_stored(
+    sqlite_store: Store, headers: dict[str, str]
+) -> None:
+    body = json.dumps([ev("e1"), {"not": "an event"}])
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.post("/v1/events", content=body, headers=headers)
+    assert response.status_code == 401
+    assert "error" in response.json()
+    assert sqlite_store.count(EventRecord) == 0
+    assert sqlite_store.count(RejectedRecord) == 0  # strangers cannot fill the dead letter either
+
+
+@pytest.mark.anyio
+async def test_any_configured_token_is_accepted(sqlite_store: Store) -> None:
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.post(
+            "/v1/events", json=ev("e1"), headers={"Authorization": "bearer other-token"}
+        )
+    assert response.status_code == 200
+
+
+@pytest.mark.anyio
+async def test_hmac_signature_of_the_exact_body(sqlite_store: Store) -> None:
+    body = json.dumps(ev("signed")).encode()
+    async with serving(make_app(sqlite_store)) as client:
+        good = await client.post(
+            "/v1/events", content=body, headers={"X-Medic-Signature": sign(body, SECRET)}
+        )
+        tampered = await client.post(
+            "/v1/events", content=body + b" ", headers={"X-Medic-Signature": sign(body, SECRET)}
+        )
+        other_key = await client.post(
+            "/v1/events", content=body, headers={"X-Medic-Signature": sign(body, b"guess")}
+        )
+    assert (good.status_code, tampered.status_code, other_key.status_code) == (200, 401, 401)
+    assert stored_ids(sqlite_store) == {"signed"}
+
+
+@pytest.mark.anyio
+async def test_a_signature_is_refused_when_no_secret_is_configured(sqlite_store: Store) -> None:
+    body = json.dumps(ev("e1")).encode()
+    async with serving(make_app(sqlite_store, hmac_secret=None)) as client:
+        response = await client.post(
+            "/v1/events", content=body, headers={"X-Medic-Signature": sign(body, b"")}
+        )
+    assert response.status_code == 401
+
+
+# --- health and metrics ----------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_healthz_follows_the_database(tmp_path: Path) -> None:
+    database = tmp_path / "medic.db"
+    store = Store(f"sqlite:///{database}")
+    async with serving(make_app(store)) as client:
+        ok = await client.get("/healthz")
+        store.engine.dispose()
+        for suffix in ("-wal", "-shm"):
+            Path(f"{database}{suffix}").unlink(missing_ok=True)
+        database.write_bytes(b"this is not a database" * 100)
+        down = await client.get("/healthz")
+    assert (ok.status_code, ok.json()) == (200, {"status": "ok"})
+    assert down.status_code == 503
+    assert down.json()["status"] == "unavailable" and "not a database" in down.json()["error"]
+    store.close()
+
+
+@pytest.mark.anyio
+async def test_a_store_failure_is_a_500_and_acknowledges_nothing(tmp_path: Path) -> None:
+    database = tmp_path / "medic.db"
+    store = Store(f"sqlite:///{database}")
+    app = make_app(store)
+    store.engine.dispose()
+    database.write_bytes(b"this is not a database" * 100)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://medic") as client:
+        response = await client.post("/v1/events", json=ev("e1"), headers=BEARER)
+        values = samples((await client.get("/metrics")).text)
+    assert response.status_code == 500
+    assert values[("medic_ingest_seconds_count", (("code", "500"),))] == 1
+    assert values[("medic_events_stored_total", ())] == 0
+    assert values[("medic_store_up", ())] == 0
+    assert ("medic_incidents_open", ()) not in values
+    store.close()
+
+
+def samples(body: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body)
+        for s in family.samples
+    }
+
+
+@pytest.mark.anyio
+async def test_metrics_count_requests_and_read_the_store(sqlite_store: Store) -> None:
+    sqlite_store.open_incident(Incident("inc-open", "gpu-001", [FaultEvent.model_validate(ev("x1"))]))
+    sqlite_store.open_incident(Incident("inc-done", "gpu-002", [FaultEvent.model_validate(ev("x2"))]))
+    sqlite_store.update_incident("inc-done", status="closed", closed_at=T0)
+    for key, action, status in [
+        ("k1", "reboot", "succeeded"),
+        ("k2", "reboot", "succeeded"),
+        ("k3", "drain", "failed"),
+    ]:
+        sqlite_store.claim_action(key, "inc-open", "gpu-001", action)
+        sqlite_store.finish_action(key, status)
+    sqlite_store.claim_action("k4", "inc-open", "gpu-001", "reboot")
+    async with serving(make_app(sqlite_store)) as client:
+        await client.post(
+            "/v1/events", json=[ev("a"), ev("b"), ev("a"), ev("bad", attributes={})], headers=BEARER
+        )
+        await client.post("/v1/events", content=lines(ev("c"), "nope"), headers=NDJSON)
+        await client.post("/v1/events", json=ev("d"), headers={})
+        response = await client.get("/metrics")
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")  # what Prometheus 2 reads
+    values = samples(response.text)
+    assert values[("medic_events_received_total", ())] == 6
+    assert values[("medic_events_stored_total", ())] == 3
+    assert values[("medic_events_duplicate_total", ())] == 1
+    assert values[("medic_events_rejected_total", ())] == 2
+    assert values[("medic_store_up", ())] == 1
+    assert values[("medic_incidents_open", ())] == 1
+    actions = {labels: v for (name, labels), v in values.items() if name == "medic_actions_total"}
+    assert actions == {
+        (("action", "drain"), ("status", "failed")): 1,
+        (("action", "reboot"), ("status", "intent")): 1,
+        (("action", "reboot"), ("status", "succeeded")): 2,
+    }
+    assert values[("medic_ingest_seconds_count", (("code", "422"),))] == 2
+    assert values[("medic_ingest_seconds_count", (("code", "401"),))] == 1
+
+
+@pytest.mark.anyio
+async def test_each_app_has_its_own_registry(tmp_path: Path) -> None:
+    first, second = (Store(f"sqlite:///{tmp_path / f'{n}.db'}") for n in ("one", "two"))
+    async with serving(make_app(first)) as one, serving(make_app(second)) as two:
+        await one.post("/v1/events", json=ev("a"), headers=BEARER)
+        other = samples((await two.get("/metrics")).text)
+    assert other[("medic_events_received_total", ())] == 0
+    first.close()
+    second.close()
+
+
+@pytest.mark.anyio
+async def test_metrics_in_openmetrics_when_asked(sqlite_store: Store) -> None:
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.get("/metrics", headers={"Accept": "application/openmetrics-text"})
+    assert response.headers["content-type"].startswith("application/openmetrics-text")
+    assert response.text.endswith("# EOF\n")
+
+
+# --- handing accepted events on --------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_on_accepted_gets_each_new_batch_in_order_even_after_a_failure(sqlite_store: Store) -> None:
+    handed: list[list[str]] = []
+
+    async def on_accepted(events: list[FaultEvent]) -> None:
+        handed.append([e.id for e in events])
+        if len(handed) == 1:
+            raise RuntimeError("the dispatcher fell over")
+
+    async with serving(make_app(sqlite_store, on_accepted=on_accepted)) as client:
+        await client.post("/v1/events", json=[ev("a"), ev("b")], headers=BEARER)
+        await client.post("/v1/events", json=[ev("a")], headers=BEARER)  # nothing new: nothing handed on
+        await client.post("/v1/events", content=lines(ev("c"), "junk"), headers=NDJSON)
+    # Leaving the lifespan waits until everything queued was handed on.
+    assert handed == [["a", "b"], ["c"]]
+    # A failed hand-on loses nothing: the events stay stored, waiting for an incident.
+    assert {e.id for e in sqlite_store.undispatched_events()} == {"a", "b", "c"}
+
+
+@pytest.mark.anyio
+async def test_events_never_handed_on_are_handed_on_at_the_next_start(sqlite_store: Store) -> None:
+    sqlite_store.record_accepted([FaultEvent.model_validate(ev("before-crash"))])
+    handed: list[list[str]] = []
+
+    async def on_accepted(events: list[FaultEvent]) -> None:
+        handed.append([e.id for e in events])
+        sqlite_store.attach_events([Incident("inc-1", "gpu-017", events)])
+
+    async with serving(make_app(sqlite_store, on_accepted=on_accepted)):
+        pass
+    async with serving(make_app(sqlite_store, on_accepted=on_accepted)):
+        pass  # attached to an incident now: not handed on again
+    assert handed == [["before-crash"]]
+
+
+# --- the store methods the server relies on (SQLite and PostgreSQL) ---------------------------
+
+
+def fault(event_id: str, minutes: int = 0, kind: str = "xid") -> FaultEvent:
+    return FaultEvent.model_validate(
+        ev(event_id, kind=kind, time=(T0 + timedelta(minutes=minutes)).isoformat())
+        | ({"attributes": {"action": "reboot"}} if kind == "remediation" else {})
+    )
+
+
+def test_record_accepted_stores_each_id_once(store: Store) -> None:
+    first = store.record_accepted([fault("a"), fault("b"), fault("a")])
+    assert [e.id for e in first] == ["a", "b"]
+    assert [e.id for e in store.record_accepted([fault("b"), fault("c")])] == ["c"]
+    assert store.count(EventRecord) == 3
+
+
+def test_record_accepted_racing_writers_store_each_id_once(store: Store) -> None:
+    events = [fault(f"e{i}") for i in range(50)]
+    barrier = Barrier(4)
+
+    def write(_: int) -> list[str]:
+        barrier.wait()
+        return [e.id for e in store.record_accepted(events)]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(write, range(4)))
+    assert sorted(i for r in results for i in r) == sorted(e.id for e in events)
+    assert store.count(EventRecord) == 50
+
+
+def test_attach_events_and_what_is_left_undispatched(store: Store) -> None:
+    store.record_accepted([fault("x2", 2), fault("x1", 1), fault("h", 0, kind="remediation"), fault("y", 3)])
+    assert [e.id for e in store.undispatched_events()] == ["x1", "x2", "y"]  # oldest first, no history
+    assert store.attach_events([Incident("inc-x", "gpu-017", [fault("x1"), fault("x2")])]) == 2
+    assert store.attach_events([Incident("inc-other", "gpu-017", [fault("x1")])]) == 0  # never moved
+    assert [e.id for e in store.incident_events("inc-x")] == ["x1", "x2"]
+    assert [e.id for e in store.undispatched_events()] == ["y"]
+
+
+def test_ping_and_the_counts_for_metrics(store: Store) -> None:
+    store.ping()
+    assert store.open_incident_count() == 0 and store.action_counts() == {}
+    store.open_incident(Incident("inc-1", "gpu-017", [fault("a")]))
+    store.claim_action("k", "inc-1", "gpu-017", "reboot")
+    assert store.open_incident_count() == 1
+    assert store.action_counts() == {("reboot", "intent"): 1}
+
+
+# --- a real server process: kill -9 after the reply, `medic emit` ------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def server_process(database: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
+    """`medic serve` (the CLI function under typer) in its own process."""
+    env = os.environ | {"MEDIC_DATABASE_URL": f"sqlite:///{database}", "MEDIC_INGEST_TOKENS": TOKEN}
+    code = "import typer; from medic.cli.serve import serve; typer.run(serve)"
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, "--port", str(port), "--log-level", "warning"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            assert process.poll() is None, f"the server exited with {process.returncode}"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.05)
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+
+
+def test_acknowledged_events_survive_kill_9_and_a_restart(tmp_path: Path) -> None:
+    database, port = tmp_path / "medic.db", free_port()
+    url = f"http://127.0.0.1:{port}/v1/events"
+    acknowledged: set[str] = set()
+    with server_process(database, port) as process, httpx.Client(headers=BEARER) as client:
+        for batch in range(5):
+            ids = [f"b{batch}-{i}" for i in range(100)]
+            response = client.post(url, json=[ev(i) for i in ids])
+            assert response.status_code == 200
+            acknowledged.update(ids)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+    store = Store(f"sqlite:///{database}")
+    assert stored_ids(store) == acknowledged
+    store.close()
+
+    with server_process(database, port), httpx.Client(headers=BEARER) as client:
+        response = client.post(url, json=[ev("b4-99"), ev("after-restart")])
+    assert response.json() == {"accepted": 1, "duplicates": ["b4-99"], "rejected": []}
+    store = Store(f"sqlite:///{database}")
+    assert stored_ids(store) == acknowledged | {"after-restart"}
+    store.close()
+
+
+def cli() -> typer.Typer:
+    from medic.cli.serve import emit, serve
+
+    app = typer.Typer()
+    app.command("serve")(serve)
+    app.command("emit")(emit)
+    return app
+
+
+def test_medic_emit_against_a_running_server(tmp_path: Path) -> None:
+    database, port = tmp_path / "medic.db", free_port()
+    env = {"MEDIC_URL": f"http://127.0.0.1:{port}", "MEDIC_TOKEN": TOKEN}
+    events = tmp_path / "events.jsonl"
+    events.write_text(lines(ev("from-file"), ev("bad-file", attributes={})), encoding="utf-8")
+    runner = CliRunner()
+    with server_process(database, port):
+        built = runner.invoke(
+            cli(),
+            [
+                *("emit", "--kind", "xid", "--node", "gpu-9", "--gpu", "3", "--job", "train-1"),
+                *("--id", "cli-1", "--attr", "code=79", "--attr", "message=fell off the bus"),
+            ],
+            env=env,
+        )
+        from_file = runner.invoke(cli(), ["emit", "--file", str(events)], env=env)
+        from_stdin = runner.invoke(cli(), ["emit", "-f", "-"], env=env, input=lines(ev("from-stdin")))
+        wrong_token = runner.invoke(cli(), ["emit", "-f", str(events)], env=env | {"MEDIC_TOKEN": "nope"})
+    assert built.exit_code == 0, built.output
+    assert json.loads(built.stdout) == {"accepted": 1, "duplicates": [], "rejected": []}
+    assert from_file.exit_code == 1
+    assert json.loads(from_file.stdout)["rejected"] == [
+        {"line": 2, "error": "attributes.code: Field required"}
+    ]
+    assert from_stdin.exit_code == 0
+    assert wrong_token.exit_code == 1
+    store = Store(f"sqlite:///{database}")
+    events_by_id = {e.id: e for e in store.undispatched_events()}
+    store.close()
+    assert set(events_by_id) == {"cli-1", "from-file", "from-stdin"}
+    event = events_by_id["cli-1"]
+    assert (event.node, event.gpu, event.job, event.source) == ("gpu-9", 3, "train-1", "medic-emit")
+    assert event.attributes == {"code": 79, "message": "fell off the bus"}
+    assert datetime.now(UTC) - event.time < timedelta(minutes=1)
+
+
+def test_medic_emit_without_a_server_or_a_token_fails(tmp_path: Path) -> None:
+    runner = CliRunner()
+    args = ["emit", "--kind", "xid", "--node", "n", "--attr", "code=79"]
+    no_server = runner.invoke(
+        cli(), args, env={"MEDIC_URL": f"http://127.0.0.1:{free_port()}", "MEDIC_TOKEN": "t"}
+    )
+    no_token = runner.invoke(cli(), args, env={"MEDIC_TOKEN": ""})
+    assert no_server.exit_code == 1 and "error" in no_server.stderr
+    assert no_token.exit_code == 2 and "MEDIC_TOKEN" in no_token.output
+
+
+def test_medic_serve_refuses_to_start_without_credentials(tmp_path: Path) -> None:
+    env = {"MEDIC_INGEST_TOKENS": " , ", "MEDIC_INGEST_HMAC_SECRET": "", "MEDIC_HOME": str(tmp_path)}
+    result = CliRunner().invoke(cli(), ["serve", "--port", str(free_port())], env=env)
+    assert result.exit_code == 2
+    assert "MEDIC_INGEST_TOKENS" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("pair", "expected"),
+    [
+        ("code=79", ("code", 79)),
+        ("msg=a=b", ("msg", "a=b")),
+        ("list=[1, 2]", ("list", [1, 2])),
+        ("s=", ("s", "")),
+    ],
+)
+def test_emit_attributes_are_json_when_they_parse(pair: str, expected: tuple[str, Any]) -> None:
+    assert parse_attribute(pair) == expected
+
+
+def test_emit_attribute_without_a_key_is_refused() -> None:
+    with pytest.raises(ValueError, match="key=value"):
+        parse_attribute("=3")
