@@ -187,7 +187,8 @@ def section(r: dict[str, Any]) -> str:
             f"{r['rounds']} rounds of {r['events']:,} new events each, posted as JSON arrays of {r['batch']} over "
             f"{r['connections']} keep-alive connections to a real uvicorn server (its own process, SQLite store, "
             "access log on) on 127.0.0.1. A request is answered after its events are committed. "
-            "Rate: median of the rounds (min - max); latency: over every request of every round.",
+            "Rate: median of the rounds (min - max); latency: over every request of every round; server CPU: "
+            "user + system time of the server process over all rounds (the figure least moved by other load).",
             "",
             table(["measure", "value", "spread"], rows),
             "",

@@ -43,12 +43,23 @@ async def remediate_all(rt: Runtime, intake: Intake) -> Dispatch:
     reconcile_intents(rt)
     dispatch = record(rt, intake)
     for incident in dispatch.incidents:
-        existing = rt.store.get_incident(incident.id)
-        if existing is not None and existing.status in ("closed", "escalated"):
-            continue  # replayed input: this fault was already handled
         try:
-            dispatch.outcomes.append(await remediate(incident_id=incident.id, node=incident.node))
-        except Exception as error:  # one incident's failure must not stop the others
-            rt.store.update_incident(incident.id, status="failed", outcome=f"{type(error).__name__}: {error}")
+            outcome = await remediate_one(rt, incident)
+        except Exception as error:
             dispatch.failed.append((incident.id, f"{type(error).__name__}: {error}"))
+            continue
+        if outcome is not None:
+            dispatch.outcomes.append(outcome)
     return dispatch
+
+
+async def remediate_one(rt: Runtime, incident: Incident) -> Outcome | None:
+    """One flow run for a stored incident; None when it was already handled (replayed input)."""
+    existing = rt.store.get_incident(incident.id)
+    if existing is not None and existing.status in ("closed", "escalated"):
+        return None
+    try:
+        return await remediate(incident_id=incident.id, node=incident.node)
+    except Exception as error:  # recorded on the incident; the caller decides whether to go on
+        rt.store.update_incident(incident.id, status="failed", outcome=f"{type(error).__name__}: {error}")
+        raise

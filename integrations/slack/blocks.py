@@ -6,6 +6,7 @@ cut to its block's limit here rather than trusted to be short.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from integrations.protocols import Message
@@ -70,6 +71,33 @@ def _recommendations(recommend: tuple[str, ...]) -> str:
     return RECOMMEND_HEADING + fit_mrkdwn(bullets, SECTION_TEXT_MAX - len(RECOMMEND_HEADING))
 
 
+APPROVE_ACTION = "medic_approve"
+REJECT_ACTION = "medic_reject"
+
+
+def _approval_buttons(message: Message) -> list[Block]:
+    """Approve / Reject for a paused flow run; the button's value carries the run to resume."""
+    if not message.approval_run:
+        return []
+    value = json.dumps({"flow_run": message.approval_run, "incident": message.incident})
+    return [
+        {
+            "type": "button",
+            "action_id": APPROVE_ACTION,
+            "style": "primary",
+            "text": {"type": "plain_text", "text": "Approve"},
+            "value": value,
+        },
+        {
+            "type": "button",
+            "action_id": REJECT_ACTION,
+            "style": "danger",
+            "text": {"type": "plain_text", "text": "Reject"},
+            "value": value,
+        },
+    ]
+
+
 def title_of(message: Message) -> str:
     return message.title.strip() or f"Incident {message.incident}"
 
@@ -85,14 +113,18 @@ def message_blocks(message: Message, flow_run_url: str | None = None) -> list[Bl
         blocks.append({"type": "section", "fields": fields})
     if message.recommend:
         blocks.append({"type": "section", "text": _mrkdwn(_recommendations(message.recommend))})
+    buttons = _approval_buttons(message)
     if flow_run_url and len(flow_run_url) <= URL_MAX:
-        button = {
-            "type": "button",
-            "action_id": "open_flow_run",
-            "text": {"type": "plain_text", "text": "Open flow run"},
-            "url": flow_run_url,
-        }
-        blocks.append({"type": "actions", "elements": [button]})
+        buttons.append(
+            {
+                "type": "button",
+                "action_id": "open_flow_run",
+                "text": {"type": "plain_text", "text": "Open flow run"},
+                "url": flow_run_url,
+            }
+        )
+    if buttons:
+        blocks.append({"type": "actions", "elements": buttons})
     incident = fit_mrkdwn(message.incident, CONTEXT_TEXT_MAX - 40)
     blocks.append({"type": "context", "elements": [_mrkdwn(f"Incident `{incident}` · GPU Medic")]})
     return blocks

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from medic.cli import render
 from medic.cli.dcgm import dcgm_app
+from medic.cli.serve import emit, serve
 from medic.config import load_settings
 from medic.intake import read_file
 from medic.policy import LoadedPolicy, PolicyError, load_policy
@@ -29,6 +30,8 @@ app = typer.Typer(
 policy_app = typer.Typer(help="Check and inspect policy files.", no_args_is_help=True)
 app.add_typer(policy_app, name="policy")
 app.add_typer(dcgm_app, name="dcgm")
+app.command("serve")(serve)
+app.command("emit")(emit)
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)  # diagnostics stay one grep-able file:line line each

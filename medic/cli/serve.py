@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import httpx
 import typer
@@ -17,6 +17,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from medic.server import DEFAULT_HOST, DEFAULT_PORT
+
+if TYPE_CHECKING:
+    from flows.live import LiveDispatcher
+    from medic.server.slack import SlackCallbacks
 from medic.server.emit import DEFAULT_URL, TOKEN_ENV, URL_ENV, build_event, parse_attribute, post_events
 
 err = Console(stderr=True, soft_wrap=True)
@@ -32,11 +36,36 @@ def serve(
     from medic.server.main import ServeConfigError
     from medic.server.main import serve as run_server
 
+    dispatcher, slack = _remediation()
     try:
-        run_server(host, port, log_level=log_level, access_log=access_log)
+        run_server(
+            host, port, on_accepted=dispatcher, slack=slack, log_level=log_level, access_log=access_log
+        )
     except ServeConfigError as error:
         err.print(f"[red]error:[/red] {escape(str(error))}")
         raise typer.Exit(2) from None
+
+
+def _remediation() -> tuple[LiveDispatcher, SlackCallbacks]:
+    """The warm path (incidents remediated in this process) and Slack's approval callbacks.
+
+    Imported here, not at the top: `medic triage` and `medic emit` must not load Prefect.
+    """
+    import asyncio
+    import threading
+
+    from prefect.flow_runs import resume_flow_run
+
+    from flows.live import LiveDispatcher
+    from medic.server.slack import SlackCallbacks
+    from tasks.runtime import current
+
+    rt = current()
+    dispatcher = LiveDispatcher(rt)
+    # Start Prefect's API now, not when the first fault arrives.
+    threading.Thread(target=lambda: asyncio.run(dispatcher.warm_up()), daemon=True).start()
+    slack = SlackCallbacks(approvers=lambda: rt.policy().policy.approvals.approvers, resume=resume_flow_run)
+    return dispatcher, slack
 
 
 def emit(

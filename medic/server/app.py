@@ -25,6 +25,8 @@ from medic.events import FaultEvent
 from medic.server.auth import SIGNATURE_HEADER, Auth
 from medic.server.decode import Problem, decode
 from medic.server.metrics import IngestMetrics
+from medic.server.slack import SlackCallbacks
+from medic.server.slack import handle as handle_slack
 from medic.store import Store
 
 log = logging.getLogger("medic.server")
@@ -79,6 +81,7 @@ def create_app(
     hmac_secret: bytes | None,
     on_accepted: OnAccepted | None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    slack: SlackCallbacks | None = None,
 ) -> FastAPI:
     auth = Auth.of(tokens, hmac_secret)
     metrics = IngestMetrics(store)
@@ -143,6 +146,12 @@ def create_app(
             relay.send(done.stored)
         status = 422 if done.reply.rejected else 200
         return JSONResponse(done.reply.model_dump(exclude_none=True), status_code=status)
+
+    if slack is not None:
+
+        @app.post("/v1/slack/interactions")
+        async def slack_interactions(request: Request) -> Response:
+            return await handle_slack(request, slack)
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -11,6 +11,7 @@ from medic.config import load_settings
 from medic.server import DEFAULT_HOST, DEFAULT_PORT
 from medic.server.app import OnAccepted, create_app
 from medic.server.auth import HMAC_SECRET_ENV, TOKENS_ENV, credentials_from_env
+from medic.server.slack import SlackCallbacks
 from medic.store import Store
 
 
@@ -23,6 +24,7 @@ def serve(
     port: int = DEFAULT_PORT,
     *,
     on_accepted: OnAccepted | None = None,
+    slack: SlackCallbacks | None = None,
     log_level: str = "info",
     access_log: bool = True,
     env: Mapping[str, str] | None = None,
@@ -33,9 +35,9 @@ def serve(
     if not tokens and secret is None:
         # An open ingest endpoint would let anyone trigger node reboots: refuse to start.
         raise ServeConfigError(f"set {TOKENS_ENV} (comma-separated tokens) or {HMAC_SECRET_ENV}")
-    store = Store(load_settings(dict(env)).database_url)
+    store = Store(load_settings(env).database_url)
     try:
-        app = create_app(store, tokens=tokens, hmac_secret=secret, on_accepted=on_accepted)
+        app = create_app(store, tokens=tokens, hmac_secret=secret, on_accepted=on_accepted, slack=slack)
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log)
     finally:
         store.close()

@@ -249,6 +249,17 @@ class Store:
             s.commit()
             return row
 
+    def find_active_incident(self, node: str, statuses: Iterable[str]) -> IncidentRecord | None:
+        """The node's newest incident still in one of these states."""
+        query = (
+            select(IncidentRecord)
+            .where(IncidentRecord.node == node)
+            .where(col(IncidentRecord.status).in_(list(statuses)))
+            .order_by(col(IncidentRecord.opened_at).desc())
+        )
+        with self.session() as s:
+            return s.exec(query).first()
+
     def get_incident(self, incident_id: str) -> IncidentRecord | None:
         with self.session() as s:
             return s.get(IncidentRecord, incident_id)

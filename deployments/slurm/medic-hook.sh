@@ -1,0 +1,47 @@
+#!/bin/sh
+# Runs `python -m medic.hooks PHASE` (prolog | epilog | healthcheck) for Slurm (docs/agent.md).
+#
+# Slurm starts Prolog, Epilog and HealthCheckProgram with almost no environment: no PATH and
+# none of the site's variables. So PATH is set here, and the site's settings come from a file:
+# medic-hooks.env beside this script, else /etc/default/medic-hooks (shell syntax, KEY=value):
+#   MEDIC_PYTHON            the Python that has GPU Medic installed
+#   MEDIC_URL, MEDIC_TOKEN  where events go (or MEDIC_EVENTS_FILE for a JSON-lines file)
+#   MEDIC_DCGMI             dcgmi's path when it is not on the standard PATH
+#   MEDIC_HOOK_TIMEOUT_S    limit for one dcgmi run (default 120 s at level 1, 600 s at level 2)
+#   MEDIC_PROLOG_FAIL_CLOSED=1  a failed level-1 diagnostic fails the prolog (Slurm drains the
+#                               node and requeues the job)
+# Keep the file root-only (chmod 600): it holds the token.
+#
+# Anything that keeps the hook itself from running exits 0: a non-zero Prolog or Epilog drains
+# the node, and a missing Python is no reason to take GPUs out of service.
+set -u
+phase=${1:-}
+PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+export PATH
+here=$(CDPATH='' cd -- "$(dirname -- "$0")" && pwd)
+
+for settings in "$here/medic-hooks.env" /etc/default/medic-hooks; do
+  if [ -r "$settings" ]; then
+    set -a
+    # shellcheck source=/dev/null
+    . "$settings"
+    set +a
+    break
+  fi
+done
+
+python=${MEDIC_PYTHON:-}
+if [ -z "$python" ]; then
+  # An installation under /opt, a checkout this script belongs to, or the system's Python.
+  for candidate in /opt/gpu-medic/.venv/bin/python "$here/../../.venv/bin/python" python3; do
+    if command -v "$candidate" >/dev/null 2>&1; then
+      python=$candidate
+      break
+    fi
+  done
+fi
+if [ -z "$python" ]; then
+  echo "medic $phase hook: no Python found; set MEDIC_PYTHON in $here/medic-hooks.env" >&2
+  exit 0
+fi
+exec "$python" -m medic.hooks "$phase"

@@ -1,0 +1,421 @@
+"""GPU health from NVML through nvidia-ml-py (import name `pynvml`): one `NodeSnapshot` per read.
+
+Every field an NVML call cannot answer on this GPU or driver (NotSupported, a function the driver
+lacks, no permission) is None: unknown, never a guessed zero. A GPU that is lost mid-read is
+reported on that GPU (`lost`), not raised. A host without a working driver gives `Unavailable`.
+
+`NvmlSession` keeps NVML initialised between reads and holds an event set registered for XID
+critical errors, so XIDs that happened between two reads are delivered at the next one (the
+driver queues them). `snapshot()` is one read in a fresh session, for one-off checks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import pynvml
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Clock event ("throttle") reason bits, named as docs/events.md writes them.
+CLOCK_EVENT_REASONS: dict[int, str] = {
+    pynvml.nvmlClocksEventReasonGpuIdle: "gpu_idle",
+    pynvml.nvmlClocksEventReasonApplicationsClocksSetting: "applications_clocks_setting",
+    pynvml.nvmlClocksEventReasonSwPowerCap: "sw_power_cap",
+    pynvml.nvmlClocksEventReasonHwSlowdown: "hw_slowdown",
+    pynvml.nvmlClocksEventReasonSyncBoost: "sync_boost",
+    pynvml.nvmlClocksEventReasonSwThermalSlowdown: "sw_thermal_slowdown",
+    pynvml.nvmlClocksEventReasonHwThermalSlowdown: "hw_thermal_slowdown",
+    pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown: "hw_power_brake_slowdown",
+    pynvml.nvmlClocksEventReasonDisplayClockSetting: "display_clock_setting",
+}
+THERMAL_REASONS = frozenset({"sw_thermal_slowdown", "hw_thermal_slowdown"})
+
+# The call has no answer on this GPU or driver: the field is unknown.
+UNANSWERED = (
+    pynvml.NVMLError_NotSupported,
+    pynvml.NVMLError_FunctionNotFound,
+    pynvml.NVMLError_NoPermission,
+)
+# NVML itself is gone (driver unloaded, library mismatch): the whole read fails.
+NODE_FAILURES = (
+    pynvml.NVMLError_Uninitialized,
+    pynvml.NVMLError_DriverNotLoaded,
+    pynvml.NVMLError_LibraryNotFound,
+    pynvml.NVMLError_LibRmVersionMismatch,
+)
+# NVLink state is asked per link up to NVML's limit; past a board's last link NVML answers
+# InvalidArgument, and a board without NVLink answers NotSupported.
+NVLINK_PROBE_ERRORS = (*UNANSWERED, pynvml.NVMLError_InvalidArgument)
+EVENT_WAIT_MS = 1
+MAX_EVENTS_PER_READ = 256  # an XID storm is drained over several reads, never in one endless loop
+
+
+def decode_clock_reasons(mask: int) -> tuple[str, ...]:
+    """Names of the set bits; a bit this table does not know is kept as `bit_N`."""
+    names = [name for bit, name in CLOCK_EVENT_REASONS.items() if mask & bit]
+    known = sum(CLOCK_EVENT_REASONS)
+    names += [f"bit_{n}" for n in range(64) if mask & ~known & (1 << n)]
+    return tuple(names)
+
+
+def normalize_pci_bus_id(bus_id: str) -> str:
+    """`00000000:3B:00.0` (NVML) and `0000:3b:00` (kernel log) both become `0000:3b:00`."""
+    address = bus_id.strip().lower().removeprefix("pci:")
+    domain, _, rest = address.partition(":")
+    bus_device = rest.split(".")[0]
+    return f"{int(domain, 16):04x}:{bus_device}" if domain else bus_device
+
+
+@dataclass(frozen=True, slots=True)
+class EccCounts:
+    """Volatile: since the driver loaded (a GPU reset clears them). Aggregate: the GPU's lifetime."""
+
+    volatile_corrected: int | None = None
+    volatile_uncorrected: int | None = None
+    aggregate_corrected: int | None = None
+    aggregate_uncorrected: int | None = None
+
+    def totals(self, counter: str) -> tuple[int | None, int | None]:
+        """(uncorrected, corrected) of the `volatile` or `aggregate` counter."""
+        if counter == "volatile":
+            return self.volatile_uncorrected, self.volatile_corrected
+        return self.aggregate_uncorrected, self.aggregate_corrected
+
+
+@dataclass(frozen=True, slots=True)
+class RetiredPages:
+    """Page retirement (GPUs before Ampere)."""
+
+    sbe: int | None = None
+    dbe: int | None = None
+    pending: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RowRemap:
+    """Row remapping (Ampere and later): replaces page retirement."""
+
+    corrected: int
+    uncorrected: int
+    pending: bool
+    failure: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PcieLink:
+    gen: int | None = None
+    max_gen: int | None = None
+    width: int | None = None
+    max_width: int | None = None
+
+    def problems(self, idle: bool) -> tuple[str, ...]:
+        """How the link runs below what it can: `width` and/or `gen`. An idle GPU lowers its link
+        generation to save power, so a lower generation counts only on a GPU that is not idle."""
+        narrow = self.width is not None and self.max_width is not None and self.width < self.max_width
+        slow = not idle and self.gen is not None and self.max_gen is not None and self.gen < self.max_gen
+        return ("width",) * narrow + ("gen",) * slow
+
+    def describe(self) -> str:
+        return f"PCIe link at Gen{self.gen} x{self.width}, capable of Gen{self.max_gen} x{self.max_width}"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSnapshot:
+    index: int
+    uuid: str | None = None
+    pci_bus_id: str | None = None  # normalized: 0000:3b:00
+    name: str | None = None
+    lost: bool = False  # did not answer: NVML says the GPU is lost, or gives no handle for it
+    ecc: EccCounts = field(default_factory=EccCounts)
+    retired_pages: RetiredPages | None = None
+    row_remap: RowRemap | None = None
+    temperature_c: int | None = None
+    clock_reasons: tuple[str, ...] | None = None
+    power_w: float | None = None
+    pcie: PcieLink = field(default_factory=PcieLink)
+    nvlinks: dict[int, bool] | None = None  # link -> up; links NVML could not answer are absent
+    errors: tuple[str, ...] = ()  # calls that failed for another reason: "temperature: Unknown Error"
+
+    @property
+    def idle(self) -> bool:
+        return "gpu_idle" in (self.clock_reasons or ())
+
+    @property
+    def thermal_reasons(self) -> tuple[str, ...]:
+        return tuple(r for r in self.clock_reasons or () if r in THERMAL_REASONS)
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlXid:
+    gpu: int | None  # None: the event named a device this read did not enumerate
+    code: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSnapshot:
+    driver_version: str | None
+    gpu_count: int
+    gpus: tuple[GpuSnapshot, ...]
+    xids: tuple[NvmlXid, ...] = ()
+
+    @property
+    def found(self) -> int:
+        """GPUs that answer: enumerated and not lost."""
+        return sum(1 for g in self.gpus if not g.lost)
+
+    def gpu_by_pci(self) -> dict[str, int]:
+        return {g.pci_bus_id: g.index for g in self.gpus if g.pci_bus_id}
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    reason: str
+
+
+class _GpuLost(Exception):
+    pass
+
+
+class _Reader:
+    """The fields of one GPU: each call's unknowns become None and its errors are collected."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.errors: list[str] = []
+
+    def get(self, what: str, call: Callable[..., T], *args: Any) -> T | None:
+        try:
+            return call(self.handle, *args)
+        except UNANSWERED:
+            return None
+        except pynvml.NVMLError_GpuIsLost:
+            raise _GpuLost from None
+        except NODE_FAILURES:
+            raise
+        except pynvml.NVMLError as error:
+            self.errors.append(f"{what}: {error}")
+            return None
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _address(handle: Any) -> int | None:
+    return ctypes.cast(handle, ctypes.c_void_p).value
+
+
+def _clock_reasons(handle: Any) -> int:
+    # The Event name came with driver R535; older drivers only have the Throttle one.
+    try:
+        return pynvml.nvmlDeviceGetCurrentClocksEventReasons(handle)
+    except pynvml.NVMLError_FunctionNotFound:
+        return pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle)
+
+
+def _retired_pages(reader: _Reader) -> RetiredPages | None:
+    cause = (
+        pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+        pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+    )
+    sbe = reader.get("retired pages (sbe)", pynvml.nvmlDeviceGetRetiredPages, cause[0])
+    dbe = reader.get("retired pages (dbe)", pynvml.nvmlDeviceGetRetiredPages, cause[1])
+    pending = reader.get("retired pages pending", pynvml.nvmlDeviceGetRetiredPagesPendingStatus)
+    if sbe is None and dbe is None and pending is None:
+        return None
+    return RetiredPages(
+        None if sbe is None else len(sbe),
+        None if dbe is None else len(dbe),
+        None if pending is None else bool(pending),
+    )
+
+
+def _ecc(reader: _Reader) -> EccCounts:
+    def count(error_type: int, counter: int, what: str) -> int | None:
+        return reader.get(what, pynvml.nvmlDeviceGetTotalEccErrors, error_type, counter)
+
+    corrected, uncorrected = (
+        pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+        pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+    )
+    volatile, aggregate = pynvml.NVML_VOLATILE_ECC, pynvml.NVML_AGGREGATE_ECC
+    return EccCounts(
+        count(corrected, volatile, "ecc volatile corrected"),
+        count(uncorrected, volatile, "ecc volatile uncorrected"),
+        count(corrected, aggregate, "ecc aggregate corrected"),
+        count(uncorrected, aggregate, "ecc aggregate uncorrected"),
+    )
+
+
+class NvmlSession:
+    """NVML initialised once for many reads; `read()` never raises for NVML's sake.
+
+    After a read that fails as a whole the session closes itself; the next read opens it again.
+    """
+
+    def __init__(self, event_wait_ms: int = EVENT_WAIT_MS) -> None:
+        self.event_wait_ms = event_wait_ms
+        self._open = False
+        self._event_set: Any = None
+        self._nvlinks: dict[int, tuple[int, ...]] = {}  # GPU index -> links that answered once
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def read(self) -> NodeSnapshot | Unavailable:
+        try:
+            if not self._open:
+                self._start()
+            return self._read()
+        except pynvml.NVMLError as error:
+            self.close()
+            return Unavailable(f"NVML: {error}")
+        except OSError as error:  # the library was found but could not be used
+            self.close()
+            return Unavailable(f"NVML: {error}")
+
+    def close(self) -> None:
+        if self._event_set is not None:
+            try:
+                pynvml.nvmlEventSetFree(self._event_set)
+            except pynvml.NVMLError as error:
+                log.debug("nvmlEventSetFree: %s", error)
+            self._event_set = None
+        if self._open:
+            try:
+                pynvml.nvmlShutdown()
+            except pynvml.NVMLError as error:
+                log.debug("nvmlShutdown: %s", error)
+            self._open = False
+        self._nvlinks.clear()
+
+    def _start(self) -> None:
+        pynvml.nvmlInit()
+        self._open = True
+        try:
+            self._event_set = pynvml.nvmlEventSetCreate()
+        except UNANSWERED:
+            self._event_set = None  # no NVML XIDs here: the kernel log still has them
+        if self._event_set is None:
+            return
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                pynvml.nvmlDeviceRegisterEvents(handle, pynvml.nvmlEventTypeXidCriticalError, self._event_set)
+            except NODE_FAILURES:
+                raise
+            except pynvml.NVMLError as error:
+                log.info("GPU %d: no XID events from NVML (%s)", index, error)
+
+    def _read(self) -> NodeSnapshot:
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        count = pynvml.nvmlDeviceGetCount()
+        gpus: list[GpuSnapshot] = []
+        addresses: dict[int | None, int] = {}
+        for index in range(count):
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            except NODE_FAILURES:
+                raise
+            except pynvml.NVMLError as error:  # lost, or no permission for this one GPU
+                gpus.append(GpuSnapshot(index, lost=True, errors=(f"handle: {error}",)))
+                continue
+            addresses[_address(handle)] = index
+            gpus.append(self._gpu(index, handle))
+        return NodeSnapshot(driver, count, tuple(gpus), self._xids(addresses))
+
+    def _gpu(self, index: int, handle: Any) -> GpuSnapshot:
+        reader = _Reader(handle)
+        facts: dict[str, Any] = {}
+        try:
+            facts["uuid"] = reader.get("uuid", pynvml.nvmlDeviceGetUUID)
+            pci = reader.get("pci info", pynvml.nvmlDeviceGetPciInfo_v3)
+            facts["pci_bus_id"] = None if pci is None else normalize_pci_bus_id(_text(pci.busId))
+            name = reader.get("name", pynvml.nvmlDeviceGetName)
+            facts["name"] = None if name is None else _text(name)
+            facts["ecc"] = _ecc(reader)
+            facts["retired_pages"] = _retired_pages(reader)
+            remap = reader.get("remapped rows", pynvml.nvmlDeviceGetRemappedRows)
+            if remap is not None:
+                corrected, uncorrected, pending, failure = remap
+                facts["row_remap"] = RowRemap(corrected, uncorrected, bool(pending), bool(failure))
+            facts["temperature_c"] = reader.get(
+                "temperature", pynvml.nvmlDeviceGetTemperature, pynvml.NVML_TEMPERATURE_GPU
+            )
+            mask = reader.get("clock event reasons", _clock_reasons)
+            facts["clock_reasons"] = None if mask is None else decode_clock_reasons(mask)
+            milliwatts = reader.get("power", pynvml.nvmlDeviceGetPowerUsage)
+            facts["power_w"] = None if milliwatts is None else milliwatts / 1000
+            facts["pcie"] = PcieLink(
+                reader.get("pcie gen", pynvml.nvmlDeviceGetCurrPcieLinkGeneration),
+                reader.get("pcie max gen", pynvml.nvmlDeviceGetMaxPcieLinkGeneration),
+                reader.get("pcie width", pynvml.nvmlDeviceGetCurrPcieLinkWidth),
+                reader.get("pcie max width", pynvml.nvmlDeviceGetMaxPcieLinkWidth),
+            )
+            facts["nvlinks"] = self._nvlink_states(index, reader)
+        except _GpuLost:
+            # What was read before the loss still identifies the GPU.
+            keep = {k: facts[k] for k in ("uuid", "pci_bus_id", "name") if k in facts}
+            return GpuSnapshot(index, lost=True, errors=tuple(reader.errors), **keep)
+        return GpuSnapshot(index, errors=tuple(reader.errors), **facts)
+
+    def _nvlink_states(self, index: int, reader: _Reader) -> dict[int, bool] | None:
+        """Up/down per link. The first read probes every link NVML could have; later reads ask
+        only the links that answered then (links do not come and go while the driver is up)."""
+        links = self._nvlinks.get(index)
+        states: dict[int, bool] = {}
+        for link in links if links is not None else range(pynvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                states[link] = (
+                    pynvml.nvmlDeviceGetNvLinkState(reader.handle, link) == pynvml.NVML_FEATURE_ENABLED
+                )
+            except NVLINK_PROBE_ERRORS:
+                if links is None and states:
+                    break  # past the board's last link
+            except pynvml.NVMLError_GpuIsLost:
+                raise _GpuLost from None
+            except NODE_FAILURES:
+                raise
+            except pynvml.NVMLError as error:
+                reader.errors.append(f"nvlink {link}: {error}")
+        if links is None:
+            self._nvlinks[index] = tuple(states)
+        return states or None
+
+    def _xids(self, addresses: dict[int | None, int]) -> tuple[NvmlXid, ...]:
+        if self._event_set is None:
+            return ()
+        xids = []
+        for _ in range(MAX_EVENTS_PER_READ):
+            try:
+                data = pynvml.nvmlEventSetWait(self._event_set, self.event_wait_ms)
+            except pynvml.NVMLError_Timeout:
+                break
+            except NODE_FAILURES:
+                raise
+            except pynvml.NVMLError as error:
+                log.warning("nvmlEventSetWait: %s", error)
+                break
+            if data.eventType == pynvml.nvmlEventTypeXidCriticalError:
+                xids.append(NvmlXid(addresses.get(_address(data.device)), int(data.eventData)))
+        return tuple(xids)
+
+
+def snapshot() -> NodeSnapshot | Unavailable:
+    """One read of this node's GPUs. Its XIDs are only those delivered while it reads: an event
+    set sees nothing from before it existed (the kernel log has those)."""
+    with NvmlSession() as session:
+        return session.read()

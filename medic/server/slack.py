@@ -1,0 +1,57 @@
+"""`POST /v1/slack/interactions`: an Approve / Reject click resumes the paused flow run.
+
+The signature is checked first (SLACK_SIGNING_SECRET), then that the clicking user is one of the
+policy's approvers; the answer then goes to the run as typed input, exactly as the Prefect UI's
+resume form would send it. Slack wants an answer within 3 s, so only that work happens here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from uuid import UUID
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from integrations.slack.interactions import InteractionError, is_approver, parse_click
+from integrations.slack.signature import SignatureError, verify
+
+
+@dataclass(frozen=True, slots=True)
+class SlackCallbacks:
+    approvers: Callable[[], list[str]]  # read at each click: a policy edit applies at once
+    resume: Callable[[UUID, dict[str, object]], None]  # prefect.flow_runs.resume_flow_run
+
+
+def _reply(text: str, status: int = 200) -> Response:
+    # Slack shows `text` to the clicking user when the response is ephemeral.
+    return JSONResponse(
+        {"response_type": "ephemeral", "replace_original": False, "text": text}, status_code=status
+    )
+
+
+async def handle(request: Request, callbacks: SlackCallbacks) -> Response:
+    body = await request.body()
+    try:
+        verify(body, request.headers)
+    except SignatureError as error:
+        return _reply(f"request refused: {error}", 401)
+    try:
+        click = parse_click(body)
+    except InteractionError as error:
+        return _reply(str(error), 400)
+    if click is None:
+        return _reply("ok")  # a link button or another action: nothing to do
+    approvers = callbacks.approvers()
+    if not is_approver(click, approvers):
+        return _reply(f"{click.user_name} is not an approver for GPU Medic actions; nothing was changed")
+    by = click.user_id if click.user_id in approvers else click.user_name
+    answer: dict[str, object] = {"approved": click.approved, "by": by, "via": "slack"}
+    try:
+        await anyio.to_thread.run_sync(callbacks.resume, UUID(click.flow_run), answer)
+    except Exception as error:  # already answered, timed out, or Prefect unreachable: say so
+        return _reply(f"could not answer incident {click.incident}: {error}")
+    verdict = "approved" if click.approved else "rejected"
+    return _reply(f"{verdict} by {click.user_name}: incident {click.incident} goes on")

@@ -1,0 +1,194 @@
+"""The live path: `medic serve` stores a POSTed fault and remediates it in process; new evidence
+joins the incident being handled; an Approve click in Slack resumes a real paused flow run."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import pytest
+from fastapi.testclient import TestClient
+from prefect.flow_runs import resume_flow_run
+from slack_api import SlackApi, running_slack_api
+from slack_sdk import WebClient
+
+from flows.live import LiveDispatcher
+from integrations.sim.fleet import SimFleet
+from integrations.slack.notifier import SlackNotifier
+from medic.config import REPO_ROOT
+from medic.events import FaultEvent
+from medic.server.app import create_app
+from medic.server.slack import SlackCallbacks
+from medic.store.tables import IncidentRecord
+from tasks.runtime import Runtime
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+TOKEN = "ingest-token"
+SLACK_TOKEN = "xoxb-test-token"
+SIGNING_SECRET = "signing-secret-for-tests"
+
+
+def event(event_id: str, node: str, code: int = 79, **fields: Any) -> dict[str, Any]:
+    return {
+        "id": event_id,
+        "time": datetime.now(UTC).isoformat(),
+        "source": "agent",
+        "kind": "xid",
+        "node": node,
+        "attributes": {"code": code},
+        **fields,
+    }
+
+
+def until(check: Callable[[], Any], what: str, timeout_s: float = 90) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+    return result
+
+
+def closed(rt: Runtime, node: str) -> Callable[[], IncidentRecord | None]:
+    def check() -> IncidentRecord | None:
+        found = rt.store.find_incidents(node=node)
+        return found[0] if found and found[0].status in ("closed", "escalated") else None
+
+    return check
+
+
+@pytest.fixture
+def client_for(runtime: Runtime) -> Iterator[Callable[..., TestClient]]:
+    clients: list[TestClient] = []
+
+    def build(slack: SlackCallbacks | None = None) -> TestClient:
+        app = create_app(
+            runtime.store, tokens={TOKEN}, hmac_secret=None, on_accepted=LiveDispatcher(runtime), slack=slack
+        )
+        client = TestClient(app)
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield build
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+def test_a_posted_fault_is_remediated_in_process(runtime: Runtime, fleet: SimFleet, client_for: Any) -> None:
+    client = client_for()
+    answer = client.post(
+        "/v1/events", json=event("live-1", "gpu-node-1"), headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    assert answer.status_code == 200 and answer.json()["accepted"] == 1
+    incident = until(closed(runtime, "gpu-node-1"), "the incident to close")
+    assert (incident.action, incident.status) == ("reboot", "closed")
+    assert fleet.nodes["gpu-node-1"].boots == 1
+
+
+def test_new_evidence_joins_the_incident_being_handled(runtime: Runtime) -> None:
+    dispatcher = LiveDispatcher(runtime)
+    first = FaultEvent.model_validate(event("join-1", "gpu-node-2", code=48))
+    runtime.store.record_accepted([first])
+    (incident,) = dispatcher._correlate([first])
+    runtime.store.update_incident(incident.id, status="remediating")
+    later = FaultEvent.model_validate(event("join-2", "gpu-node-2", code=79))
+    runtime.store.record_accepted([later])
+    assert dispatcher._correlate([later]) == []  # no second flow run
+    assert [e.id for e in runtime.store.incident_events(incident.id)] == ["join-1", "join-2"]
+
+
+def slack_click(message_blocks: list[dict[str, Any]], user_id: str, approve: bool) -> bytes:
+    action_id = "medic_approve" if approve else "medic_reject"
+    button = next(
+        b
+        for block in message_blocks
+        if block["type"] == "actions"
+        for b in block["elements"]
+        if b.get("action_id") == action_id
+    )
+    payload = {
+        "type": "block_actions",
+        "user": {"id": user_id, "username": "alice"},
+        "actions": [{"action_id": action_id, "value": button["value"], "type": "button"}],
+    }
+    return urlencode({"payload": json.dumps(payload)}).encode()
+
+
+def signed(body: bytes, secret: str = SIGNING_SECRET) -> dict[str, str]:
+    timestamp = str(int(time.time()))
+    digest = hmac.new(secret.encode(), b"v0:" + timestamp.encode() + b":" + body, hashlib.sha256).hexdigest()
+    return {
+        "X-Slack-Request-Timestamp": timestamp,
+        "X-Slack-Signature": f"v0={digest}",
+        "Content-Type": "application/x-www-form-urlencoded",
+    }
+
+
+@pytest.fixture
+def slack_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[SlackApi]:
+    monkeypatch.setenv("SLACK_SIGNING_SECRET", SIGNING_SECRET)
+    monkeypatch.setenv("MEDIC_APPROVAL_POLL_SECONDS", "1")
+    with running_slack_api(SLACK_TOKEN, {"gpu-ops": "C0GPUOPS"}) as api:
+        yield api
+
+
+def test_approve_in_slack_resumes_the_paused_run(
+    runtime: Runtime, fleet: SimFleet, client_for: Any, slack_api: SlackApi, tmp_path: Path
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    text = (REPO_ROOT / "policies" / "default.yaml").read_text()
+    approvals = "approvals:\n  approvers: [U0ALICE]\n  required_for: [reboot]\n  timeout_minutes: 5\n"
+    policy.write_text(text.replace("\nrules:\n", f"\n{approvals}\nrules:\n", 1))
+    runtime.policy_path = policy
+    runtime.backends.notifier = SlackNotifier(
+        WebClient(token=SLACK_TOKEN, base_url=slack_api.api_url, retry_handlers=[], timeout=5)
+    )
+    callbacks = SlackCallbacks(
+        approvers=lambda: runtime.policy().policy.approvals.approvers, resume=resume_flow_run
+    )
+    client = client_for(slack=callbacks)
+    client.post(
+        "/v1/events", json=event("live-appr", "gpu-node-3"), headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+
+    def approval_message() -> dict[str, Any] | None:
+        for request in slack_api.requests:
+            blocks = request.params.get("blocks")
+            if request.method == "chat.postMessage" and blocks and "medic_approve" in str(blocks):
+                return request.params
+        return None
+
+    asked = until(approval_message, "the approval request in Slack")
+    blocks = json.loads(asked["blocks"]) if isinstance(asked["blocks"], str) else asked["blocks"]
+    until(
+        lambda: (
+            (r := runtime.store.find_incidents(node="gpu-node-3")) and r[0].status == "waiting for approval"
+        ),
+        "the run to wait for approval",
+    )
+    time.sleep(1.5)  # the pause is recorded a moment after the status
+
+    body = slack_click(blocks, "U0ALICE", approve=True)
+    assert (
+        client.post("/v1/slack/interactions", content=body, headers=signed(body, "wrong")).status_code == 401
+    )
+    outsider = slack_click(blocks, "U0MALLORY", approve=True)
+    refused = client.post("/v1/slack/interactions", content=outsider, headers=signed(outsider))
+    assert "not an approver" in refused.json()["text"]
+
+    answer = client.post("/v1/slack/interactions", content=body, headers=signed(body))
+    assert answer.status_code == 200 and "approved" in answer.json()["text"], answer.text
+    incident = until(closed(runtime, "gpu-node-3"), "the approved incident to close")
+    assert (incident.action, incident.status) == ("reboot", "closed")
+    assert fleet.nodes["gpu-node-3"].boots == 1
+    (approval,) = runtime.store.approvals(incident.id)
+    assert (approval.approved, approval.by, approval.via) == (True, "U0ALICE", "slack")
