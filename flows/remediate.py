@@ -25,7 +25,7 @@ from tasks.act import ActOutcome, act
 from tasks.close import close
 from tasks.decide import decide_incident
 from tasks.guard import ensure_limits
-from tasks.notify import notify
+from tasks.notify import notify, update
 from tasks.resume import ResumeOutcome, resume_job
 from tasks.runtime import current
 from tasks.stage import stage
@@ -106,15 +106,48 @@ def _message(triaged: Triage, decision: Decision, summary: str) -> Message:
     )
 
 
+def _evidence(incident_id: str) -> str:
+    events = current().store.incident_events(incident_id)
+    kinds = sorted({e.kind.value for e in events})
+    return f"{len(events)} events ({', '.join(kinds)})"
+
+
+class _Thread:
+    """The incident's chat thread: opened once, then one reply per step. Never raises."""
+
+    def __init__(self, incident_id: str, ref: str | None) -> None:
+        self.incident_id, self.ref, self.ok = incident_id, ref, ref is not None
+
+    @classmethod
+    async def open(cls, incident_id: str, head: Message) -> _Thread:
+        state: State[str] = notify(head, return_state=True)
+        if state.is_completed():
+            return cls(incident_id, await state.result())
+        get_run_logger().error("notification failed, remediation goes on: %s", state.message)
+        return cls(incident_id, None)
+
+    def say(self, text: str) -> None:
+        if self.ref is None:
+            return
+        if not update(self.incident_id, self.ref, text, return_state=True).is_completed():
+            self.ok = False
+            get_run_logger().error("thread update failed, remediation goes on")
+
+
 @flow(name="remediate-incident", flow_run_name=_run_name, log_prints=False, persist_result=False)
 async def remediate(incident_id: str, node: str) -> Outcome:
     logger = get_run_logger()
     await ensure_limits()
     triaged = triage(incident_id)
     decision, seen = triaged.decision, []
+    thread = await _Thread.open(
+        incident_id, _message(triaged, decision, f"Evidence: {_evidence(incident_id)}")
+    )
     if decision.action is Action.DIAGNOSE:
         ladder = await diagnose_ladder(incident_id, node, decision)
         decision, seen = ladder.decision, ladder.seen
+        for result in seen:
+            thread.say(f"DCGM {result}")
     if not seen:
         decision = decide_incident(incident_id)
     elif decision.action is Action.DIAGNOSE:
@@ -143,6 +176,7 @@ async def remediate(incident_id: str, node: str) -> Outcome:
         acted = ActOutcome(
             action=decision.action, status="escalated", detail=f"action failed: {state.message}"
         )
+    thread.say(f"Decision: {decision.action.value} (rule `{decision.rule}`) — {acted.status}: {acted.detail}")
 
     resumed = None
     if acted.took_node_out:
@@ -150,20 +184,17 @@ async def remediate(incident_id: str, node: str) -> Outcome:
             job_state: State[ResumeOutcome] = resume_job(incident_id, job, [node], return_state=True)
             if job_state.is_completed():
                 resumed = await job_state.result()
+                thread.say(resumed.describe().capitalize())
             else:
                 logger.error("job %s did not resume: %s", job, job_state.message)
 
     verified = None
     if acted.status == "done" and decision.action in DESTRUCTIVE:
         verified = verify(incident_id, node, current().policy().policy.defaults.verify_level)
+        thread.say(verified.detail)
 
     summary = _summary(decision, acted, resumed, verified)
-    updates = [*(f"DCGM {s}" for s in seen)]
-    if resumed:
-        updates.append(resumed.describe())
-    notify_state = notify(_message(triaged, decision, summary), updates, return_state=True)
-    if not notify_state.is_completed():
-        logger.error("notification failed, remediation goes on: %s", notify_state.message)
+    thread.say(f"Closed: {summary}")
 
     escalated = acted.status == "escalated" or (verified is not None and not verified.passed)
     close(incident_id, summary, status="escalated" if escalated else "closed")
@@ -183,6 +214,6 @@ async def remediate(incident_id: str, node: str) -> Outcome:
         resumed=resumed,
         verified=verified,
         diagnostics=seen,
-        notified=notify_state.is_completed(),
+        notified=thread.ok,
         summary=summary,
     )

@@ -17,13 +17,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from integrations.nvml import (
     EccCounts,
     GpuSnapshot,
     NodeSnapshot,
-    NvmlSession,
     NvmlXid,
     RowRemap,
     Unavailable,
@@ -40,6 +39,14 @@ DEFAULT_MAX_BACKOFF_S = 300.0
 # The driver reports one XID both in the kernel log and as an NVML event, not necessarily in the
 # same poll: the second sighting of (GPU, code) from the other source within this window is the same XID.
 XID_MATCH_WINDOW_S = 60.0
+
+
+class GpuReader(Protocol):
+    """NvmlSession's face to the agent."""
+
+    def read(self) -> NodeSnapshot | Unavailable: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +97,7 @@ class Agent:
         self,
         options: AgentOptions,
         sink: EventSink,
-        nvml: NvmlSession | None,
+        nvml: GpuReader | None,
         kernel_log: KernelLog | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -166,8 +173,9 @@ class Agent:
                 log.warning("%s; trying again in %g s", snapshot.reason, backoff)
                 self.last_problem = snapshot.reason
             return snapshot
-        if self.nvml_failures:
-            log.info("NVML answers again after %d failed reads", self.nvml_failures)
+        if self.nvml_ok is not True:
+            after = f" after {self.nvml_failures} failed reads" if self.nvml_failures else ""
+            log.info("NVML answers%s: %d GPUs, driver %s", after, snapshot.gpu_count, snapshot.driver_version)
         self.nvml_failures, self.next_nvml_at, self.last_problem = 0, 0.0, None
         if self.expected is None:
             self.expected = snapshot.gpu_count

@@ -31,7 +31,17 @@ def build_shim(directory: Path) -> Path:
     if key not in _built:
         directory.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            ["gcc", "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-o", "libnvidia-ml.so.1", str(SHIM_SOURCE)],
+            [
+                "gcc",
+                "-shared",
+                "-fPIC",
+                "-O1",
+                "-Wall",
+                "-Werror",
+                "-o",
+                "libnvidia-ml.so.1",
+                str(SHIM_SOURCE),
+            ],
             cwd=directory,
             check=True,
             capture_output=True,
@@ -81,7 +91,9 @@ class ShimState:
 
     def text(self) -> str:
         lines = [f"count {self.count}", f"init_rc {self.init_rc}", f"call_rc {self.call_rc}"]
-        lines += [f"gpu {i} {key} {value}" for i, values in self.gpus.items() for key, value in values.items()]
+        lines += [
+            f"gpu {i} {key} {value}" for i, values in self.gpus.items() for key, value in values.items()
+        ]
         lines += [f"rc {fn} {rc}" + ("" if gpu is None else f" {gpu}") for fn, rc, gpu in self.rcs]
         lines += [f"xid {gpu} {code}" for gpu, code in self.xids]
         return "\n".join(lines) + "\n"
@@ -107,7 +119,12 @@ def shim_env(library_dir: Path | None, state: ShimState | None) -> dict[str, str
 def run_python(code: str, env: dict[str, str], timeout_s: float = 60) -> Any:
     """Run `code` in a child Python that prints one JSON document; return it parsed."""
     done = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
     if done.returncode != 0:
         raise AssertionError(f"child failed ({done.returncode}):\n{done.stderr}")

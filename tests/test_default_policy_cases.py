@@ -26,4 +26,7 @@ def test_every_rule_has_a_case() -> None:
 
 def test_every_guardrail_of_the_default_has_a_case() -> None:
     tests = load_tests(default_tests_path(POLICY))
-    assert {t.expect.guardrail for t in tests.tests if t.expect.guardrail} >= {"circuit_breaker", "node_cooldown"}
+    assert {t.expect.guardrail for t in tests.tests if t.expect.guardrail} >= {
+        "circuit_breaker",
+        "node_cooldown",
+    }

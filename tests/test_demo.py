@@ -45,7 +45,8 @@ def test_demo_remediates_hardware_and_leaves_application_faults_alone(
     climbed = store.incident_detail(incidents["gpu-node-2"].id)
     assert climbed is not None
     assert [(d.level, d.result) for d in climbed.diagnostics] == [(1, "pass"), (2, "fail"), (1, "pass")]
-    assert [s.stage for s in climbed.steps][:5] == ["triage", "diagnose L1", "decide", "diagnose L2", "decide"]
+    stages = [s.stage for s in climbed.steps]
+    assert stages[:6] == ["triage", "notify", "diagnose L1", "decide", "diagnose L2", "decide"]
     # The lone NCCL timeout was settled by a passing quick diagnostic, the node left in service.
     lone = store.incident_detail(incidents["gpu-node-7"].id)
     assert lone is not None and [(d.level, d.result) for d in lone.diagnostics] == [(1, "pass")]

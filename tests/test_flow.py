@@ -79,7 +79,26 @@ def test_xid79_reboots_resumes_job_and_reintegrates(runtime: Runtime, training: 
     assert (detail.incident.owner, detail.incident.jobs) == ("alice", ["llm"])
     assert len(detail.events) == 25
     stages = [s.stage for s in detail.steps]
-    assert stages == ["triage", "decide", "act: reboot", "resume job", "verify L1", "notify", "close"]
+    assert stages == [
+        "triage",
+        "notify",
+        "decide",
+        "act: reboot",
+        "update",
+        "resume job",
+        "update",
+        "verify L1",
+        "update",
+        "update",
+        "close",
+    ]
+    notifier = runtime.backends.notifier
+    assert isinstance(notifier, RecordingNotifier)
+    (thread,) = notifier.threads.values()  # one message per incident, its story in the thread
+    assert thread.message.title == "Hardware fault on gpu-node-1: reboot"
+    prefixes = ["Decision: reboot", "Job llm resumed from step 1200", "DCGM level 1 passed", "Closed: "]
+    assert len(thread.replies) == len(prefixes)
+    assert all(reply.startswith(p) for reply, p in zip(thread.replies, prefixes, strict=True)), thread.replies
     assert {a.action: a.status for a in detail.actions} == {
         "drain": "succeeded",
         "reboot": "succeeded",
@@ -186,6 +205,7 @@ def test_notification_outage_does_not_stop_remediation(runtime: Runtime, trainin
     detail = runtime.store.incident_detail(outcome.incident)
     assert detail is not None and detail.incident.status == "closed"
     assert [s.status for s in detail.steps if s.stage == "notify"] == ["failed"] * 4  # 1 try + 3 retries
+    assert [s for s in detail.steps if s.stage == "update"] == []  # no thread to reply in
 
 
 def test_bad_lines_are_kept_and_the_rest_runs(runtime: Runtime, training: SimFleet) -> None:

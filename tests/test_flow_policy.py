@@ -50,7 +50,9 @@ def test_an_edit_applies_to_the_next_incident(runtime: Runtime, editable: Path, 
     assert (second.action, second.rule) == ("drain", "xid-reset-gpu")
 
 
-def test_a_broken_edit_is_refused_and_the_owner_told(runtime: Runtime, editable: Path, fleet: SimFleet) -> None:
+def test_a_broken_edit_is_refused_and_the_owner_told(
+    runtime: Runtime, editable: Path, fleet: SimFleet
+) -> None:
     run(runtime, [line("a", "xid", "gpu-node-1", attributes={"code": 48})])
     editable.write_text(editable.read_text().replace("action: reboot", "action: rebooot", 1))
     (outcome,) = run(runtime, [line("b", "xid", "gpu-node-2", attributes={"code": 79})]).outcomes
@@ -65,14 +67,21 @@ def test_breaker_opens_on_a_storm_and_stays_open_until_closed(runtime: Runtime, 
     storm = [line(f"s{i}", "xid", f"gpu-node-{i}", attributes={"code": 79}) for i in (1, 2, 3, 4)]
     outcomes = {o.node: o for o in run(runtime, storm).outcomes}
     # 25% of 8 nodes: two nodes may be taken out within 5 minutes, the third trips the breaker.
-    assert [outcomes[f"gpu-node-{i}"].action for i in (1, 2, 3, 4)] == ["reboot", "reboot", "escalate", "escalate"]
+    assert [outcomes[f"gpu-node-{i}"].action for i in (1, 2, 3, 4)] == [
+        "reboot",
+        "reboot",
+        "escalate",
+        "escalate",
+    ]
     assert fleet.nodes["gpu-node-3"].boots == 0 and fleet.nodes["gpu-node-4"].boots == 0
     breaker = runtime.store.open_breaker_record()
     assert breaker is not None and "3 nodes taken out" in breaker.reason
     # Reintegration is never held back by the open breaker.
     fleet.nodes["gpu-node-5"].state = fleet.nodes["gpu-node-5"].state.DRAINED
     fleet.nodes["gpu-node-5"].reason = "medic: earlier incident"
-    (back,) = run(runtime, [line("p", "diagnostic", "gpu-node-5", attributes={"level": 1, "result": "pass"})]).outcomes
+    (back,) = run(
+        runtime, [line("p", "diagnostic", "gpu-node-5", attributes={"level": 1, "result": "pass"})]
+    ).outcomes
     assert (back.action, back.act) == ("reintegrate", "done")
     runtime.store.close_breaker("alice")
     assert runtime.store.open_breaker_record() is None
@@ -81,7 +90,8 @@ def test_breaker_opens_on_a_storm_and_stays_open_until_closed(runtime: Runtime, 
 def test_network_storm_touches_no_node(runtime: Runtime, fleet: SimFleet) -> None:
     # gpu-node-1..4 hang off leaf-1 in the simulated fleet.
     timeouts = [
-        line(f"n{i}", "nccl_timeout", f"gpu-node-{i}", switch="leaf-1", job="llm", rank=i) for i in (1, 2, 3, 4)
+        line(f"n{i}", "nccl_timeout", f"gpu-node-{i}", switch="leaf-1", job="llm", rank=i)
+        for i in (1, 2, 3, 4)
     ]
     outcomes = run(runtime, timeouts).outcomes
     assert outcomes[-1].classification == "infrastructure" and outcomes[-1].rule == "network-switch-storm"
