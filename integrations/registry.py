@@ -117,9 +117,16 @@ def _notifier(env: Env, fallback: Notifier) -> Notifier:
 
 
 def _checkpoints(env: Env, fallback: CheckpointStore) -> CheckpointStore:
+    """`sim`, a directory of DCP checkpoints (root/JOB/step-N), or s3://bucket/prefix."""
     chosen = env.get("MEDIC_CHECKPOINTS", "sim")
     if chosen == "sim":
         return fallback
+    if chosen.startswith("s3://"):
+        from integrations.aws_clients import aws_client
+        from integrations.checkpoints import S3CheckpointStore
+
+        bucket, _, prefix = chosen.removeprefix("s3://").partition("/")
+        return S3CheckpointStore(aws_client("s3", env), bucket, prefix)
     from integrations.checkpoints import DcpCheckpointStore
 
     return DcpCheckpointStore(chosen)

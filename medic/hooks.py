@@ -7,8 +7,8 @@
 deployments/slurm/medic-*.sh call this with PATH and Python set (Slurm gives hooks no PATH).
 Events go where the agent's do: $MEDIC_EVENTS_FILE, else $MEDIC_URL (+ $MEDIC_TOKEN), else stdout.
 
-Exit status: 0, except a prolog whose diagnostic failed while MEDIC_PROLOG_FAIL_CLOSED=1 (Slurm then
-drains the node and requeues the job). An epilog never fails: a non-zero Epilog makes Slurm drain
+Exit status: 0, except a prolog whose diagnostic failed while MEDIC_PROLOG_FAIL_CLOSED=1: 10, which
+the script turns into 1 (Slurm then drains the node and requeues the job). An epilog never fails: a non-zero Epilog makes Slurm drain
 the node by itself, and what to do about a failed diagnostic is GPU Medic's policy's decision.
 """
 
@@ -36,6 +36,9 @@ LEVELS = {"prolog": 1, "epilog": 2, "healthcheck": 1}
 # dcgmi's own run times are ~10 s (level 1) and ~2 min (level 2); past these something hangs.
 DEFAULT_TIMEOUT_S = {1: 120.0, 2: 600.0}
 USAGE = "usage: python -m medic.hooks prolog|epilog|healthcheck"
+# A failed diagnostic in a fail-closed prolog; deployments/slurm/medic-hook.sh turns it into 1 and
+# every other non-zero status (a crash, a Python without GPU Medic) into 0.
+FAIL_CLOSED = 10
 
 
 def job_failed(env: Mapping[str, str]) -> bool | None:
@@ -116,7 +119,7 @@ def run_hook(phase: str, env: Mapping[str, str]) -> int:
     sink_from(env.get("MEDIC_EVENTS_FILE") or None, env).emit(events_for(result, phase, env))
     if phase == "prolog" and result.result == "fail" and env.get("MEDIC_PROLOG_FAIL_CLOSED") == "1":
         print(f"GPU Medic: DCGM level {level} failed on {node}: {result.detail}", file=sys.stderr)
-        return 1
+        return FAIL_CLOSED
     return 0
 
 

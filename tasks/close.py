@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from prefect import task
 
+from medic.goodput import incident_costs
 from medic.store import utcnow
+from medic.store.tables import GoodputRecord
 from tasks.runtime import current
 from tasks.stage import stage
 
@@ -14,4 +18,10 @@ def close(incident_id: str, outcome: str, status: str = "closed") -> None:
     rt = current()
     with stage(rt.store, incident_id, "close") as log:
         rt.store.update_incident(incident_id, status=status, closed_at=utcnow(), outcome=outcome)
-        log.done(outcome)
+        detail = rt.store.incident_detail(incident_id)
+        costs = incident_costs(detail) if detail else []
+        rt.store.record_goodput(
+            GoodputRecord(incident_id=c.incident, **{k: v for k, v in asdict(c).items() if k != "incident"})
+            for c in costs
+        )
+        log.done(outcome, goodput=[asdict(c) | {"fault_at": c.fault_at.isoformat()} for c in costs])

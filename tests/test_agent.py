@@ -26,7 +26,9 @@ from medic.sinks import HttpSink
 
 NODE = "gpu-node-07"
 XID_79 = "NVRM: Xid (PCI:{pci}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
-XID_13 = "NVRM: Xid (PCI:{pci}): 13, pid=4412, name=python3, Graphics SM Warp Exception on (GPC 0, TPC 1, SM 0)"
+XID_13 = (
+    "NVRM: Xid (PCI:{pci}): 13, pid=4412, name=python3, Graphics SM Warp Exception on (GPC 0, TPC 1, SM 0)"
+)
 
 
 # -- in process: the change rules -----------------------------------------------------------
@@ -97,7 +99,9 @@ class Rig:
             clock=self.clock,
         )
 
-    def poll(self, snapshot: NodeSnapshot | Unavailable | None = None, *kernel_lines: str) -> list[FaultEvent]:
+    def poll(
+        self, snapshot: NodeSnapshot | Unavailable | None = None, *kernel_lines: str
+    ) -> list[FaultEvent]:
         if snapshot is not None:
             self.nvml.next = snapshot
         with self.kmsg.open("a") as f:
@@ -150,7 +154,11 @@ def test_uncorrected_ecc_rising_is_reported_once(rig: Rig) -> None:
 def test_the_aggregate_counter_serves_where_the_volatile_one_is_unknown(rig: Rig) -> None:
     rig.poll(node(gpu(0, ecc=EccCounts(None, None, 10, 0))))
     event = one(rig.poll(node(gpu(0, ecc=EccCounts(None, None, 12, 1)))))
-    assert (event.attributes["dbe"], event.attributes["sbe"], event.attributes["counter"]) == (1, 2, "aggregate")
+    assert (event.attributes["dbe"], event.attributes["sbe"], event.attributes["counter"]) == (
+        1,
+        2,
+        "aggregate",
+    )
 
 
 def test_a_row_remap_failure_is_an_ecc_event(rig: Rig) -> None:
@@ -302,7 +310,7 @@ class Service:
         service = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 service.requests.append((self.path, dict(self.headers), body))
                 status = service.statuses.pop(0) if service.statuses else 200
@@ -513,7 +521,15 @@ def test_once_polls_and_exits(shim: Path, tmp_path: Path) -> None:
 def test_an_http_sink_needs_a_token(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "MEDIC_TOKEN"}
     done = subprocess.run(
-        [sys.executable, "-m", "medic.cli.agent", "--once", "--sink=http://127.0.0.1:9", "--no-nvml", "--no-kmsg"],
+        [
+            sys.executable,
+            "-m",
+            "medic.cli.agent",
+            "--once",
+            "--sink=http://127.0.0.1:9",
+            "--no-nvml",
+            "--no-kmsg",
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -521,4 +537,3 @@ def test_an_http_sink_needs_a_token(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "needs a bearer token in $MEDIC_TOKEN" in done.stderr
-

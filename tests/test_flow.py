@@ -105,6 +105,13 @@ def test_xid79_reboots_resumes_job_and_reintegrates(runtime: Runtime, training: 
         "resume": "succeeded",
     }
     assert all(d.policy_sha256 and d.rule == "xid-fallen-off-bus" for d in detail.decisions)
+    # What it cost the job is kept: detection (fault -> received), recovery (fault -> training again).
+    (cost,) = runtime.store.goodput("llm")
+    assert cost.incident_id == outcome.incident
+    first = min(detail.events, key=lambda e: e.time)
+    assert cost.detection_s == pytest.approx((first.received_at - first.time).total_seconds())
+    assert cost.recovery_s is not None and cost.recovery_s > cost.detection_s
+    assert cost.lost_work_s == pytest.approx(outcome.resumed.lost_seconds)
 
 
 def test_application_fault_leaves_node_alone_and_tells_owner(runtime: Runtime, training: SimFleet) -> None:

@@ -1,19 +1,26 @@
 """medic/hooks.py and deployments/slurm/medic-*.sh against the fake `dcgmi` of
-tests/fixtures/dcgm/fake_dcgmi.sh; the scripts run as Slurm runs them: no PATH, almost no environment."""
+tests/fixtures/dcgm/fake_dcgmi.sh: in process, as Slurm starts the scripts (no PATH, almost no
+environment), and from a real one-node Slurm cluster's Prolog and Epilog."""
 
 from __future__ import annotations
 
+import os
+import shlex
 import shutil
+import socket
 import stat
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from medic.config import REPO_ROOT
 from medic.events import EventKind, FaultEvent
-from medic.hooks import job_failed, main, run_hook
+from medic.hooks import FAIL_CLOSED, job_failed, main, run_hook
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 SCRIPTS = REPO_ROOT / "deployments" / "slurm"
@@ -114,7 +121,7 @@ def test_a_failed_prolog_diagnostic_is_reported_and_fails_open(
 
 def test_fail_closed_prolog_exits_non_zero(dcgmi: Dcgmi, monkeypatch: pytest.MonkeyPatch) -> None:
     env = dcgmi.env("fixture", "l2_memory_faulty.json", FAKE_DCGMI_RC="205", MEDIC_PROLOG_FAIL_CLOSED="1")
-    assert hook(dcgmi, monkeypatch, "prolog", env) == 1
+    assert hook(dcgmi, monkeypatch, "prolog", env) == FAIL_CLOSED
 
 
 def test_a_diagnostic_that_cannot_run_is_a_health_check_and_never_fails_the_hook(
@@ -145,7 +152,11 @@ def test_epilog_after_a_failed_job_runs_level_2_and_never_fails(
     assert hook(dcgmi, monkeypatch, "epilog", env) == 0
     assert dcgmi.ran() == ["diag", "-r", "2", "-j"]
     diagnostic, check = dcgmi.written()
-    assert (diagnostic.attributes["level"], diagnostic.attributes["result"], diagnostic.attributes["phase"]) == (
+    assert (
+        diagnostic.attributes["level"],
+        diagnostic.attributes["result"],
+        diagnostic.attributes["phase"],
+    ) == (
         2,
         "fail",
         "epilog",
@@ -172,12 +183,8 @@ def installed(tmp_path: Path, dcgmi: Dcgmi) -> Path:
 
 
 def settings(where: Path, values: dict[str, str]) -> None:
-    lines = [f"{name}={shlex_quote(value)}" for name, value in values.items()]
+    lines = [f"{name}={shlex.quote(value)}" for name, value in values.items()]
     (where / "medic-hooks.env").write_text("\n".join(lines) + "\n")
-
-
-def shlex_quote(value: str) -> str:
-    return "'" + value.replace("'", "'\\''") + "'"
 
 
 def slurm_run(script: Path, **slurm_env: str) -> subprocess.CompletedProcess[str]:
@@ -194,7 +201,9 @@ def slurm_run(script: Path, **slurm_env: str) -> subprocess.CompletedProcess[str
 def test_epilog_script_runs_with_no_path(installed: Path, dcgmi: Dcgmi) -> None:
     env = dcgmi.env("fixture", "l2_memory_faulty.json", FAKE_DCGMI_RC="205", MEDIC_PYTHON=sys.executable)
     settings(installed, {k: v for k, v in env.items() if not k.startswith("SLURM")})
-    done = slurm_run(installed / "medic-epilog.sh", SLURMD_NODENAME=NODE, SLURM_JOB_ID="77", SLURM_JOB_EXIT_CODE2="0:6")
+    done = slurm_run(
+        installed / "medic-epilog.sh", SLURMD_NODENAME=NODE, SLURM_JOB_ID="77", SLURM_JOB_EXIT_CODE2="0:6"
+    )
     assert done.returncode == 0, done.stderr
     assert dcgmi.ran() == ["diag", "-r", "2", "-j"]
     diagnostic, check = dcgmi.written()
@@ -204,7 +213,11 @@ def test_epilog_script_runs_with_no_path(installed: Path, dcgmi: Dcgmi) -> None:
 
 def test_prolog_and_healthcheck_scripts(installed: Path, dcgmi: Dcgmi) -> None:
     env = dcgmi.env(
-        "fixture", "l2_memory_faulty.json", FAKE_DCGMI_RC="205", MEDIC_PYTHON=sys.executable, MEDIC_PROLOG_FAIL_CLOSED="1"
+        "fixture",
+        "l2_memory_faulty.json",
+        FAKE_DCGMI_RC="205",
+        MEDIC_PYTHON=sys.executable,
+        MEDIC_PROLOG_FAIL_CLOSED="1",
     )
     settings(installed, {k: v for k, v in env.items() if not k.startswith("SLURM")})
     prolog = slurm_run(installed / "medic-prolog.sh", SLURMD_NODENAME=NODE, SLURM_JOB_ID="78")
@@ -221,9 +234,122 @@ def test_prolog_and_healthcheck_scripts(installed: Path, dcgmi: Dcgmi) -> None:
     ]
 
 
-def test_a_script_that_finds_no_python_fails_open(installed: Path, dcgmi: Dcgmi) -> None:
-    settings(installed, {"MEDIC_PYTHON": str(installed / "no-such-python")})
+@pytest.mark.parametrize(
+    ("python", "complaint"),
+    [
+        ("/nonexistent/python", "no Python at '/nonexistent/python'"),
+        (
+            "/usr/bin/python3",
+            "/usr/bin/python3 -m medic.hooks exited 1; not failing the prolog",
+        ),  # no GPU Medic
+    ],
+)
+def test_a_hook_that_cannot_run_fails_open(
+    installed: Path, dcgmi: Dcgmi, python: str, complaint: str
+) -> None:
+    settings(installed, {"MEDIC_PYTHON": python, "MEDIC_PROLOG_FAIL_CLOSED": "1"})
     done = slurm_run(installed / "medic-prolog.sh", SLURMD_NODENAME=NODE)
     assert done.returncode == 0
-    assert "no-such-python" in done.stderr
+    assert complaint in done.stderr
     assert dcgmi.ran() is None
+
+
+# -- a real Slurm runs the scripts ------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def until(check: Callable[[], bool], what: str, within_s: float = 30.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {within_s:.0f} s")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def slurm(dcgmi: Dcgmi) -> Iterator[Path]:
+    """A one-node Slurm cluster (scripts/slurm-cluster.sh) whose Prolog and Epilog are our scripts.
+    Yields the directory they are installed in."""
+    if shutil.which("slurmctld") is None:
+        subprocess.run([str(REPO_ROOT / "scripts" / "install-slurm.sh")], check=True, timeout=600)
+    # Not under pytest's tmp_path: munged wants every directory above its socket searchable by all.
+    base = Path(tempfile.mkdtemp(prefix="medic-slurm-hooks-"))
+    base.chmod(0o755)
+    env = {
+        **os.environ,
+        "SLURM_TEST_BASE": str(base),
+        "SLURM_TEST_NODES": "1",
+        "SLURM_TEST_GPUS": "0",
+        "SLURM_TEST_CTLD_PORT": str(free_port()),
+        "SLURM_TEST_NODE_PORT0": str(free_port() - 1),  # node 1 listens on PORT0 + 1
+    }
+    script = str(REPO_ROOT / "scripts" / "slurm-cluster.sh")
+    subprocess.run([script, "start"], env=env, check=True, timeout=120, capture_output=True)
+    try:
+        hooks = base / "hooks"
+        hooks.mkdir()
+        for hook_script in SCRIPTS.glob("medic-*.sh"):
+            shutil.copy2(hook_script, hooks)
+        conf = base / "etc" / "slurm.conf"
+        with conf.open("a") as f:
+            f.write(f"Prolog={hooks}/medic-prolog.sh\nEpilog={hooks}/medic-epilog.sh\n")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("SLURM_CONF", str(conf))
+            subprocess.run(["scontrol", "reconfigure"], check=True, timeout=30)
+            yield hooks
+    finally:
+        subprocess.run([script, "stop"], env=env, check=True, timeout=120, capture_output=True)
+        shutil.rmtree(base)
+
+
+def sbatch(command: str) -> str:
+    done = subprocess.run(
+        ["sbatch", "--parsable", "--chdir=/tmp", "--output=/dev/null", "--wrap", command],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    return done.stdout.strip()
+
+
+def node_state() -> tuple[str, str]:
+    done = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%t|%E"], capture_output=True, text=True, check=True, timeout=30
+    )
+    state, _, reason = done.stdout.strip().partition("|")
+    return state, reason
+
+
+@pytest.mark.system
+def test_slurm_runs_the_hooks(slurm: Path, dcgmi: Dcgmi) -> None:
+    env = dcgmi.env("fixture", "l2_pass.json", MEDIC_PYTHON=sys.executable)
+    settings(slurm, {k: v for k, v in env.items() if not k.startswith("SLURM")})
+    failing = sbatch("exit 3")
+    until(lambda: len(dcgmi.written()) == 2, "prolog and epilog events")
+    prolog, epilog = dcgmi.written()
+    assert (prolog.job, prolog.node, prolog.attributes["phase"], prolog.attributes["level"]) == (
+        failing,
+        "gpu-node-1",
+        "prolog",
+        1,
+    )
+    assert (epilog.job, epilog.attributes["phase"], epilog.attributes["level"]) == (failing, "epilog", 2)
+
+    # Fail closed: Slurm drains the node and holds the job for a requeue.
+    env |= {"FAKE_DCGMI_FIXTURE": str(FIXTURES / "l2_memory_faulty.json"), "MEDIC_PROLOG_FAIL_CLOSED": "1"}
+    settings(slurm, {k: v for k, v in env.items() if not k.startswith("SLURM")})
+    refused = sbatch("true")
+    until(lambda: node_state()[0] == "drain", "the node to drain")
+    assert node_state() == ("drain", "Prolog error")
+    diagnostic, check = dcgmi.written()[2:]
+    assert (diagnostic.job, diagnostic.attributes["result"], check.attributes["check"]) == (
+        refused,
+        "fail",
+        "dcgm_diag",
+    )

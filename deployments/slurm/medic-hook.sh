@@ -40,8 +40,19 @@ if [ -z "$python" ]; then
     fi
   done
 fi
-if [ -z "$python" ]; then
-  echo "medic $phase hook: no Python found; set MEDIC_PYTHON in $here/medic-hooks.env" >&2
+if [ -z "$python" ] || ! command -v "$python" >/dev/null 2>&1; then
+  echo "medic $phase hook: no Python at '${python:-}'; set MEDIC_PYTHON in $here/medic-hooks.env" >&2
   exit 0
 fi
-exec "$python" -m medic.hooks "$phase"
+"$python" -m medic.hooks "$phase"
+status=$?
+# 10 is medic.hooks' "the diagnostic failed and the prolog fails closed"; any other failure is
+# the hook's own (GPU Medic not installed for this Python, a crash) and must not drain the node.
+case $status in
+  0) exit 0 ;;
+  10) exit 1 ;;
+  *)
+    echo "medic $phase hook: $python -m medic.hooks exited $status; not failing the $phase" >&2
+    exit 0
+    ;;
+esac

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from medic.cli import render
+from medic.cli.advise import advise_app
 from medic.cli.dcgm import dcgm_app
 from medic.cli.serve import emit, serve
 from medic.config import load_settings
@@ -30,6 +31,7 @@ app = typer.Typer(
 policy_app = typer.Typer(help="Check and inspect policy files.", no_args_is_help=True)
 app.add_typer(policy_app, name="policy")
 app.add_typer(dcgm_app, name="dcgm")
+app.add_typer(advise_app, name="advise")
 app.command("serve")(serve)
 app.command("emit")(emit)
 
@@ -418,6 +420,92 @@ def _stage_times(store, incident_ids: list[str]) -> Table:  # type: ignore[no-un
                 spent[key] += (step.finished_at - step.started_at).total_seconds()
         table.add_row(incident_id, *(f"{spent[c]:.3f}" if spent[c] else "-" for c in columns))
     return table
+
+
+@app.command()
+def goodput(
+    job: Annotated[str | None, typer.Option(help="Only this job.")] = None,
+    save_seconds: Annotated[
+        float | None, typer.Option(help="Checkpoint save time, to add checkpoint overhead to downtime.")
+    ] = None,
+    interval_seconds: Annotated[float | None, typer.Option(help="Seconds between checkpoints.")] = None,
+) -> None:
+    """What incidents cost each job: detection, diagnosis, action, recovery, lost work, downtime."""
+    from medic.goodput import IncidentCost, job_goodput
+    from medic.store import Store
+
+    rows = Store(load_settings().database_url).goodput(job)
+    costs = [
+        IncidentCost(
+            r.incident_id,
+            r.job,
+            r.fault_at,
+            r.detection_s,
+            r.diagnosis_s,
+            r.action_s,
+            r.recovery_s,
+            r.lost_work_s,
+        )
+        for r in rows
+    ]
+    per_incident = Table(title="Per incident (seconds)", title_justify="left")
+    for column in (
+        "incident",
+        "job",
+        "fault at",
+        "detection",
+        "diagnosis",
+        "action",
+        "recovery",
+        "lost work",
+    ):
+        per_incident.add_column(column, justify="right" if column not in ("incident", "job") else "left")
+
+    def s(value: float | None) -> str:
+        return "-" if value is None else f"{value:,.1f}"
+
+    for c in costs:
+        per_incident.add_row(
+            c.incident,
+            c.job,
+            f"{c.fault_at:%Y-%m-%d %H:%M:%S}",
+            s(c.detection_s),
+            s(c.diagnosis_s),
+            s(c.action_s),
+            s(c.recovery_s),
+            s(c.lost_work_s),
+        )
+    console.print(per_incident)
+    per_job = Table(
+        title="Per job: downtime = checkpoint overhead + Σ (detection + recovery)", title_justify="left"
+    )
+    for column in (
+        "job",
+        "failures",
+        "detection",
+        "recovery",
+        "lost work",
+        "checkpoint overhead",
+        "downtime",
+    ):
+        per_job.add_column(column, justify="left" if column == "job" else "right")
+    for name in sorted({c.job for c in costs}):
+        mine = [c for c in costs if c.job == name]
+        overhead = None
+        if save_seconds and interval_seconds and mine:
+            span = (max(c.fault_at for c in mine) - min(c.fault_at for c in mine)).total_seconds()
+            overhead = save_seconds / interval_seconds * span
+        total = job_goodput(mine, overhead)
+        per_job.add_row(
+            name,
+            str(total.failures),
+            s(total.detection_s),
+            s(total.recovery_s),
+            s(total.lost_work_s),
+            s(total.checkpoint_overhead_s),
+            s(total.downtime_s),
+        )
+    console.print(per_job)
 
 
 @app.command()

@@ -57,6 +57,8 @@ def describe(facts: Facts) -> dict[str, str]:
         "kinds": ", ".join(sorted(k.value for k in facts.kinds)),
         "xid": ", ".join(map(str, sorted(facts.xid_codes))),
         "dcgm health": ", ".join(sorted(facts.dcgm_errors)),
+        "dcgm severity": ", ".join(sorted(s.value for s in facts.dcgm_severities)),
+        "dcgm category": ", ".join(sorted(facts.dcgm_categories)),
         "ecc dbe/sbe": f"{facts.ecc_dbe}/{facts.ecc_sbe}" if facts.ecc_dbe or facts.ecc_sbe else "",
         "stragglers": f"{facts.straggler_reports} (max {facts.straggler_max_ratio:g}x)"
         if facts.straggler_reports

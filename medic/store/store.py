@@ -26,6 +26,7 @@ from medic.store.tables import (
     DecisionRecord,
     DiagnosticRecord,
     EventRecord,
+    GoodputRecord,
     IncidentRecord,
     RejectedRecord,
     StepRecord,
@@ -449,6 +450,29 @@ class Store:
         query = select(EventRecord).where(col(EventRecord.time) >= start).where(col(EventRecord.time) <= end)
         with self.session() as s:
             return [_event_of(r) for r in s.exec(query)]
+
+    # --- goodput -------------------------------------------------------------------------------
+
+    def record_goodput(self, rows: Iterable[GoodputRecord]) -> None:
+        with self.session() as s:
+            for row in rows:
+                existing = s.exec(
+                    select(GoodputRecord)
+                    .where(GoodputRecord.incident_id == row.incident_id)
+                    .where(GoodputRecord.job == row.job)
+                ).first()
+                if existing is not None:
+                    s.delete(existing)
+                    s.flush()
+                s.add(row)
+            s.commit()
+
+    def goodput(self, job: str | None = None) -> list[GoodputRecord]:
+        query = select(GoodputRecord).order_by(col(GoodputRecord.fault_at))
+        if job:
+            query = query.where(GoodputRecord.job == job)
+        with self.session() as s:
+            return list(s.exec(query))
 
     # --- approvals -----------------------------------------------------------------------------
 

@@ -139,6 +139,23 @@ class ActionRecord(SQLModel, table=True):
     detail: str = Field(default="", sa_column=Column(Text, nullable=False))
 
 
+class GoodputRecord(SQLModel, table=True):
+    """What one incident cost one job (medic/goodput.py), written when the incident closes."""
+
+    __tablename__ = "goodput"
+    __table_args__ = (UniqueConstraint("incident_id", "job"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    incident_id: str = Field(index=True)
+    job: str = Field(index=True)
+    fault_at: datetime = _time(index=True)
+    detection_s: float
+    diagnosis_s: float
+    action_s: float
+    recovery_s: float | None = None
+    lost_work_s: float | None = None
+
+
 class ApprovalRecord(SQLModel, table=True):
     """A request for a human's approval and its answer: who, when, through what."""
 

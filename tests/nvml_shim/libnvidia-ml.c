@@ -14,6 +14,9 @@
  *   rc FUNCTION RC [GPU]       forced on one function (for one GPU only when GPU is given)
  *   gpu I KEY VALUE            per-GPU value; KEY is one of the names in `struct gpu` below
  *   xid GPU CODE               a pending XID critical-error event; each line is delivered once
+ *
+ * When $MEDIC_NVML_SHIM_CALLS names a file, the number of NVML calls made is written there as the
+ * process exits (the agent's benchmark reports it).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -73,6 +76,16 @@ static nvmlReturn_t init_rc, call_rc;
 static char driver[80];
 static struct stat loaded;
 static int have_loaded;
+static unsigned long long calls;
+
+__attribute__((destructor)) static void report_calls(void) {
+    const char *path = getenv("MEDIC_NVML_SHIM_CALLS");
+    FILE *f = path ? fopen(path, "w") : NULL;
+    if (f) {
+        fprintf(f, "%llu\n", calls);
+        fclose(f);
+    }
+}
 
 static void defaults(void) {
     gpu_count = 8;
@@ -194,6 +207,7 @@ static nvmlReturn_t forced(const char *function, int gpu) {
 
 /* The checks every call makes first: the forced codes, then the device's own state. */
 static nvmlReturn_t enter(const char *function, struct device *d) {
+    calls++;
     refresh();
     if (call_rc != NVML_SUCCESS)
         return call_rc;
@@ -219,6 +233,7 @@ static nvmlReturn_t enter(const char *function, struct device *d) {
 
 nvmlReturn_t nvmlInitWithFlags(unsigned flags) {
     (void)flags;
+    calls++;
     refresh();
     return init_rc;
 }
