@@ -149,4 +149,6 @@ def test_ingest_against_prefect_server_on_postgres(
     with temporary_settings({PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}):
         names = asyncio.run(task_runs())
     # No job ran on the node, so there is no "resume job" stage.
-    assert names == sorted(["triage", "decide", "act", "verify", "notify", "close"])
+    assert names == sorted(
+        ["triage", "notify", "decide", "act", "update", "verify", "update", "update", "close"]
+    )

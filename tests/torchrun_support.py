@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from medic.config import REPO_ROOT
+from integrations.local_jobs import TRAIN_SCRIPT
+from integrations.processes import descendants, free_port, kill
 from medic.events import FaultEvent
 
-TRAINING_DIR = REPO_ROOT / "deployments" / "training"
-TRAIN_SCRIPT = TRAINING_DIR / "train.py"
+TRAINING_DIR = TRAIN_SCRIPT.parent
 LAUNCH_TIMEOUT_S = 120  # a launch takes 5-7 s on 2 cores; the rest is headroom for a loaded machine
 
 
@@ -41,36 +38,9 @@ class Run:
         return [FaultEvent.model_validate_json(line) for line in self.events.read_text().splitlines()]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def descendants(pid: int) -> list[int]:
-    """All live descendants of `pid`, from /proc: torchrun puts each worker in its own session."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # exited while we looked
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def kill_tree(process: subprocess.Popen[str]) -> None:
     for pid in [*descendants(process.pid), process.pid]:
-        with contextlib.suppress(ProcessLookupError):  # it exited on its own meanwhile
-            os.kill(pid, signal.SIGKILL)
+        kill(pid)
     process.wait()
 
 
