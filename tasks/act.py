@@ -7,6 +7,7 @@ from pydantic import BaseModel
 
 from medic.policy import Action, Decision
 from medic.policy.model import DESTRUCTIVE
+from tasks import prefect_events
 from tasks.guard import guarded
 from tasks.node_ops import ensure_drained, resume_node
 from tasks.runtime import Runtime, current
@@ -96,6 +97,8 @@ def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> Act
             )
         else:
             outcome = ActOutcome(action=action, status="skipped", detail=f"{node} left alone")
+        if outcome.status != "skipped":
+            prefect_events.action_taken(incident_id, node, action.value, outcome.status, outcome.detail)
         log.done(
             outcome.detail, status="skipped" if outcome.status == "skipped" else "ok", result=outcome.status
         )

@@ -9,6 +9,7 @@ from prefect import task
 from medic.goodput import incident_costs
 from medic.store import utcnow
 from medic.store.tables import GoodputRecord
+from tasks import prefect_events
 from tasks.runtime import current
 from tasks.stage import stage
 
@@ -17,7 +18,8 @@ from tasks.stage import stage
 def close(incident_id: str, outcome: str, status: str = "closed") -> None:
     rt = current()
     with stage(rt.store, incident_id, "close") as log:
-        rt.store.update_incident(incident_id, status=status, closed_at=utcnow(), outcome=outcome)
+        record = rt.store.update_incident(incident_id, status=status, closed_at=utcnow(), outcome=outcome)
+        prefect_events.incident_closed(incident_id, record.node, record.jobs or [], status, outcome)
         detail = rt.store.incident_detail(incident_id)
         costs = incident_costs(detail) if detail else []
         rt.store.record_goodput(

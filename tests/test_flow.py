@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -248,3 +249,21 @@ def test_run_history_reads_as_an_audit(runtime: Runtime, training: SimFleet) -> 
     assert artifact.key == outcome.incident and artifact.type == "markdown"
     for heading in ("## Evidence", "## Decisions", "## Actions", "## Stages", "xid-fallen-off-bus"):
         assert heading in artifact.data
+
+
+def test_medic_events_reach_prefects_feed(runtime: Runtime, training: SimFleet) -> None:
+    from prefect.events.filters import EventFilter, EventResourceFilter
+
+    (outcome,) = run(runtime, [line(1, "xid", "gpu-node-1", job="llm", attributes={"code": 79})]).outcomes
+    wanted = {"medic.fault.received", "medic.incident.opened", "medic.action.reboot", "medic.incident.closed"}
+    resource = EventResourceFilter(id=[f"medic.incident.{outcome.incident}"])
+    deadline = time.monotonic() + 30
+    seen: set[str] = set()
+    while not wanted <= seen and time.monotonic() < deadline:
+        with get_client(sync_client=True) as client:
+            page = client.read_events(filter=EventFilter(resource=resource), limit=50)
+        seen = {e.event for e in page.events}
+        time.sleep(0.5)
+    assert wanted <= seen
+    related = {r.id for e in page.events for r in e.related}
+    assert {"medic.node.gpu-node-1", "medic.job.llm"} <= related

@@ -60,7 +60,7 @@ class Dcgmi:
 
 
 @pytest.fixture
-def dcgmi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Dcgmi:
+def dcgmi(tmp_path: Path) -> Dcgmi:
     return Dcgmi(tmp_path)
 
 

@@ -1,0 +1,73 @@
+"""GPU Medic's own events in Prefect's event feed, so Prefect automations can react to them.
+
+`medic.fault.received`, `medic.incident.opened`, `medic.incident.closed` and
+`medic.action.<type>`, each about a `medic.incident.<id>` resource with the node (and jobs) as
+related resources. Sent through Prefect's background event worker: never blocking, never raising.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from prefect.events import emit_event
+
+from medic.events import FaultEvent
+from medic.incidents import Incident
+
+log = logging.getLogger("medic.prefect_events")
+
+
+def _related(node: str, jobs: Iterable[str]) -> list[dict[str, str]]:
+    related = [{"prefect.resource.id": f"medic.node.{node}", "prefect.resource.role": "node"}]
+    related += [{"prefect.resource.id": f"medic.job.{job}", "prefect.resource.role": "job"} for job in jobs]
+    return related
+
+
+def _emit(
+    name: str, incident: str, node: str, jobs: Iterable[str], payload: dict[str, Any], at: datetime | None
+) -> None:
+    try:
+        emit_event(
+            event=name,
+            resource={"prefect.resource.id": f"medic.incident.{incident}", "medic.node": node},
+            related=_related(node, jobs),
+            payload=payload,
+            occurred=at,
+        )
+    except Exception:  # the feed is a convenience; our store is the record
+        log.warning("could not emit %s for %s", name, incident, exc_info=True)
+
+
+def incident_opened(incident: Incident) -> None:
+    for event in incident.events:
+        fault_received(event, incident.id)
+    _emit(
+        "medic.incident.opened",
+        incident.id,
+        incident.node,
+        incident.jobs,
+        {"events": len(incident.events), "kinds": sorted({e.kind.value for e in incident.events})},
+        incident.opened_at,
+    )
+
+
+def fault_received(event: FaultEvent, incident_id: str) -> None:
+    _emit(
+        "medic.fault.received",
+        incident_id,
+        event.node,
+        [event.job] if event.job else [],
+        event.model_dump(mode="json", exclude_none=True),
+        event.time,
+    )
+
+
+def incident_closed(incident_id: str, node: str, jobs: Iterable[str], status: str, outcome: str) -> None:
+    _emit("medic.incident.closed", incident_id, node, jobs, {"status": status, "outcome": outcome}, None)
+
+
+def action_taken(incident_id: str, node: str, action: str, status: str, detail: str) -> None:
+    _emit(f"medic.action.{action}", incident_id, node, [], {"status": status, "detail": detail}, None)
