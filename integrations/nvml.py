@@ -280,10 +280,7 @@ class NvmlSession:
             if not self._open:
                 self._start()
             return self._read()
-        except pynvml.NVMLError as error:
-            self.close()
-            return Unavailable(f"NVML: {error}")
-        except OSError as error:  # the library was found but could not be used
+        except pynvml.NVMLError as error:  # no library or driver, or NVML failing as a whole
             self.close()
             return Unavailable(f"NVML: {error}")
 

@@ -325,7 +325,7 @@ class Agent:
         now = self.clock()
         while self.sightings and now - self.sightings[0].at > XID_MATCH_WINDOW_S:
             self.sightings.popleft()
-        gpu_to_pci = {index: pci for pci, index in self.pci_to_gpu.items()}
+        gpu_to_pci: dict[int | None, str] = {index: pci for pci, index in self.pci_to_gpu.items()}
         # One event per XID code per GPU per source and poll: an XID 13 storm is one event with a count.
         groups: dict[tuple[str, int | str, int], _XidGroup] = {}
         found = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,8 @@ def build_shim(directory: Path) -> Path:
     key = str(SHIM_SOURCE.stat().st_mtime_ns)
     if key not in _built:
         directory.mkdir(parents=True, exist_ok=True)
+        if shutil.which("gcc") is None:
+            raise RuntimeError("the NVML shim is built with gcc: apt-get install gcc libc6-dev")
         subprocess.run(
             [
                 "gcc",

@@ -21,8 +21,10 @@ from nvml_support import DRIVER_NOT_LOADED, GPU_IS_LOST, UNKNOWN, ShimState, bui
 from integrations.nvml import EccCounts, GpuSnapshot, NodeSnapshot, NvmlXid, PcieLink, RowRemap, Unavailable
 from medic.agent import Agent, AgentOptions
 from medic.events import EventKind, FaultEvent
+from medic.intake import read_file
 from medic.kernel_log import KernelLog
-from medic.sinks import HttpSink
+from medic.server.decode import decode
+from medic.sinks import FileSink, HttpSink
 
 NODE = "gpu-node-07"
 XID_79 = "NVRM: Xid (PCI:{pci}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
@@ -298,7 +300,17 @@ def test_a_host_that_never_had_nvml_is_no_fault(rig: Rig) -> None:
     assert one(rig.poll(None, XID_79.format(pci=pci_bus_id(0)))).gpu is None
 
 
-# -- HTTP sink ------------------------------------------------------------------------------
+# -- sinks ----------------------------------------------------------------------------------
+
+
+def test_file_sink_appends_what_medic_ingest_reads(rig: Rig, tmp_path: Path) -> None:
+    rig.poll()
+    events = rig.poll(node(gpu(1, lost=True)), XID_79.format(pci=pci_bus_id(1)))
+    sink = FileSink(tmp_path / "spool" / "events.jsonl")
+    sink.emit(events[:1])
+    sink.emit(events[1:])
+    intake = read_file(sink.path)
+    assert (intake.events, intake.rejected) == (events, [])
 
 
 class Service:
@@ -343,11 +355,13 @@ def test_http_sink_posts_json_lines_with_the_bearer_token(rig: Rig, service: Ser
     [xid] = rig.poll(None, XID_79.format(pci=pci_bus_id(1)))
     sink = HttpSink(service.url + "/", "s3cret")
     sink.emit([xid])
-    [(path, headers, _)] = service.requests
+    [(path, headers, body)] = service.requests
     assert path == "/v1/events"
     assert headers["Authorization"] == "Bearer s3cret"
     assert headers["Content-Type"] == "application/x-ndjson"
-    assert service.events(0) == [xid]
+    # What GPU Medic's ingest service makes of the body.
+    decoded = decode(body, headers["Content-Type"], "127.0.0.1")
+    assert (decoded.events, decoded.problems) == ([xid], [])
 
 
 def test_http_sink_keeps_events_the_service_could_not_take(rig: Rig, service: Service) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from medic.events import EventKind, FaultEvent
 from medic.facts import Facts
@@ -115,6 +115,13 @@ def _dcgm_category(when: When, f: Facts) -> str | None:
     return f"DCGM health category {', '.join(hit)}" if hit else None
 
 
+def _window_end(f: Facts) -> datetime:
+    """Windows end at the incident's newest fault evidence (not at the moment of deciding): a
+    decision taken again after a 30-minute diagnostic must still see the storm that opened it."""
+    faults = [e.time for e in f.events if e.kind is not EventKind.DIAGNOSTIC]
+    return min(max(faults), f.now) if faults else f.now
+
+
 def _has_signature(sig: Signature, event: FaultEvent) -> bool:
     if event.kind is EventKind.XID and sig.xid:
         return event.attributes["code"] in sig.xid
@@ -125,9 +132,10 @@ def _one_count(cond: CountCondition, f: Facts) -> str | None:
     anchors = [e for e in f.events if _has_signature(cond, e)]
     if not anchors:
         return None
-    start = f.now - timedelta(minutes=cond.within_minutes)
-    pool = {e.id: e for e in f.context.window(cond.event_kinds(), start, f.now) if _has_signature(cond, e)}
-    pool.update((e.id, e) for e in anchors if start <= e.time <= f.now)
+    end = _window_end(f)
+    start = end - timedelta(minutes=cond.within_minutes)
+    pool = {e.id: e for e in f.context.window(cond.event_kinds(), start, end) if _has_signature(cond, e)}
+    pool.update((e.id, e) for e in anchors if start <= e.time <= end)
     found = list(pool.values())
     if cond.scope == "gpu":
         gpus = {(e.node, e.gpu) for e in anchors if e.gpu is not None}
@@ -174,11 +182,12 @@ def _switch(when: When, f: Facts) -> str | None:
     assert cond is not None
     if f.switch is None:
         return None
-    start = f.now - timedelta(minutes=cond.within_minutes)
-    own = {e.node for e in f.events if e.kind in cond.kinds and start <= e.time <= f.now}
+    end = _window_end(f)
+    start = end - timedelta(minutes=cond.within_minutes)
+    own = {e.node for e in f.events if e.kind in cond.kinds and start <= e.time <= end}
     if not own:
         return None
-    nodes = own | {e.node for e in f.context.window(cond.kinds, start, f.now) if e.switch == f.switch}
+    nodes = own | {e.node for e in f.context.window(cond.kinds, start, end) if e.switch == f.switch}
     size = f.context.switch_sizes.get(f.switch)
     enough = cond.nodes_at_least is not None and len(nodes) >= cond.nodes_at_least
     share = cond.fraction_at_least is not None and bool(size) and len(nodes) / size >= cond.fraction_at_least
