@@ -279,6 +279,8 @@ def policy_explain(
         winner = (
             f"[bold]{decision.action.value}[/bold] ({decision.classification.value}) by rule {decision.rule}"
         )
+        if decision.owner:
+            winner += f", told to {decision.owner}"
         console.print(
             f"Decision: {winner}. Precedence: override, then action rank, then priority, then order."
         )
