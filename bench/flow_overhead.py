@@ -81,7 +81,8 @@ def _setup(count: int, tag: str, directory: Path) -> tuple[Any, list[Any]]:
 
 def remediate_direct(incident_id: str, node: str) -> Any:
     """flows/remediate.py's `remediate`, stage for stage, with Prefect bypassed (task `.fn`s)."""
-    from flows.remediate import MAX_LADDER_STEPS, Outcome, _message, _summary
+    from flows.ladder import MAX_STEPS
+    from flows.remediate import Outcome, _evidence, _message, _summary
     from medic.audit import incident_markdown
     from medic.policy import Action
     from medic.policy.model import DESTRUCTIVE
@@ -89,7 +90,7 @@ def remediate_direct(incident_id: str, node: str) -> Any:
     from tasks.close import close
     from tasks.decide import decide_incident
     from tasks.diagnose import diagnose
-    from tasks.notify import notify
+    from tasks.notify import notify, update
     from tasks.resume import resume_job
     from tasks.runtime import current
     from tasks.triage import triage
@@ -97,7 +98,8 @@ def remediate_direct(incident_id: str, node: str) -> Any:
 
     triaged = triage.fn(incident_id)
     decision, seen = triaged.decision, []
-    for _ in range(MAX_LADDER_STEPS):  # _ladder
+    thread = notify.fn(_message(triaged, decision, f"Evidence: {_evidence(incident_id)}"))
+    for _ in range(MAX_STEPS):  # diagnose_ladder
         if decision.action is not Action.DIAGNOSE or decision.diagnose_level is None:
             break
         result = diagnose.fn(triaged.incident, triaged.node, decision.diagnose_level)
@@ -123,12 +125,15 @@ def remediate_direct(incident_id: str, node: str) -> Any:
     if acted.status == "done" and decision.action in DESTRUCTIVE:
         verified = verify.fn(incident_id, node, current().policy().policy.defaults.verify_level)
     summary = _summary(decision, acted, resumed, verified)
-    updates = [f"DCGM {s}" for s in seen]
+    updates = [f"DCGM {s}" for s in seen] + [
+        f"Decision: {decision.action.value} — {acted.status}: {acted.detail}"
+    ]
     if resumed:
-        updates.append(
-            f"Job {resumed.job} resumed from step {resumed.checkpoint_step}; work lost ≈ {resumed.lost_seconds:.0f} s"
-        )
-    notify.fn(_message(triaged, decision, summary), updates)
+        updates.append(resumed.describe())
+    if verified:
+        updates.append(verified.detail)
+    for text in [*updates, f"Closed: {summary}"]:
+        update.fn(incident_id, thread, text)
     escalated = acted.status == "escalated" or (verified is not None and not verified.passed)
     close.fn(incident_id, summary, status="escalated" if escalated else "closed")
     detail = current().store.incident_detail(incident_id)

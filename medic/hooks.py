@@ -8,8 +8,9 @@ deployments/slurm/medic-*.sh call this with PATH and Python set (Slurm gives hoo
 Events go where the agent's do: $MEDIC_EVENTS_FILE, else $MEDIC_URL (+ $MEDIC_TOKEN), else stdout.
 
 Exit status: 0, except a prolog whose diagnostic failed while MEDIC_PROLOG_FAIL_CLOSED=1: 10, which
-the script turns into 1 (Slurm then drains the node and requeues the job). An epilog never fails: a non-zero Epilog makes Slurm drain
-the node by itself, and what to do about a failed diagnostic is GPU Medic's policy's decision.
+the script turns into 1 (Slurm then drains the node and requeues the job). An epilog never fails:
+a non-zero Epilog makes Slurm drain the node by itself, and what to do about a failed diagnostic
+is GPU Medic's policy's decision.
 """
 
 from __future__ import annotations
