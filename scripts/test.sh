@@ -21,6 +21,10 @@ fi
 
 # Slurm: the scheduler tests start a real local cluster from Debian's packages.
 scripts/install-slurm.sh
+# gcc: the NVML tests build a stand-in libnvidia-ml.so.1 that nvidia-ml-py loads for real.
+if ! command -v gcc >/dev/null 2>&1; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gcc libc6-dev
+fi
 
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 .venv/bin/ruff check .

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from medic.cli import render
 from medic.cli.advise import advise_app
+from medic.cli.agent import agent
 from medic.cli.dcgm import dcgm_app
 from medic.cli.serve import emit, serve
 from medic.config import load_settings
@@ -33,6 +34,7 @@ app.add_typer(policy_app, name="policy")
 app.add_typer(dcgm_app, name="dcgm")
 app.add_typer(advise_app, name="advise")
 app.command("serve")(serve)
+app.command("agent")(agent)
 app.command("emit")(emit)
 
 console = Console()
