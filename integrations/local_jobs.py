@@ -77,7 +77,7 @@ class Launch:
     loss_log: Path
     log_offset: int
     start_step: int  # the checkpoint it resumes from; 0 for a fresh start
-    workers: dict[int, int | None] = field(default_factory=dict)  # pid -> start time
+    workers: dict[int, int] = field(default_factory=dict)  # pid -> start time, which tells pids reused
     _read_to: int = 0
     _step: int = 0
 
@@ -94,7 +94,9 @@ class Launch:
         # Remembered while torchrun lives: once it dies its workers are orphans /proc cannot tie to it.
         if self.process.poll() is None:
             for pid in descendants(self.process.pid):
-                self.workers.setdefault(pid, start_time(pid))
+                started = start_time(pid)
+                if started is not None:  # None: it exited while we looked
+                    self.workers.setdefault(pid, started)
 
     def lines(self) -> list[dict[str, Any]]:
         """This launch's complete loss-log lines."""
@@ -111,8 +113,9 @@ class Launch:
     def stop(self) -> None:
         """Kill torchrun's process group and its workers, which live in sessions of their own."""
         self.track_workers()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+        if self.process.poll() is None:  # once reaped, its pid (and group id) may be someone else's
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
         for pid, started in self.workers.items():
             kill(pid, started)
         self.process.wait()

@@ -49,7 +49,7 @@ def start_time(pid: int) -> int | None:
 
 
 def kill(pid: int, started: int | None = None) -> None:
-    """SIGKILL `pid`, unless it has exited or (given `started`) the pid now belongs to another process."""
+    """SIGKILL `pid`, unless it has exited or (given `started`) the pid now names another process."""
     if started is not None and start_time(pid) != started:
         return
     with contextlib.suppress(ProcessLookupError):  # it exited on its own meanwhile

@@ -31,6 +31,15 @@ class Context:
         self.switch_sizes: Mapping[str, int] = switch_sizes or {}
         self.fleet_size = fleet_size
 
+    def count(self, kinds: Iterable[EventKind], start: datetime, end: datetime) -> int:
+        """How many events of these kinds lie in the range, without touching them."""
+        total = 0
+        for kind in kinds:
+            times = self._times.get(kind)
+            if times:
+                total += bisect_right(times, end) - bisect_left(times, start)
+        return total
+
     def window(self, kinds: Iterable[EventKind], start: datetime, end: datetime) -> Iterator[FaultEvent]:
         """Events of these kinds with start <= time <= end."""
         for kind in kinds:

@@ -28,7 +28,8 @@ from medic.intake import read_lines
 from medic.store import Store
 from tasks.runtime import Runtime, configure
 
-pytestmark = [pytest.mark.system, pytest.mark.usefixtures("prefect_harness")]
+# A resume that never shows progress would hold the flow for its 900 s wait: fail well before.
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("prefect_harness"), pytest.mark.timeout(180)]
 
 JOB, OWNER = "llm", "alice"
 STEPS, EVERY, FAIL_AT, LAST_GOOD = 40, 10, 25, 20

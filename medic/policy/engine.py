@@ -134,7 +134,10 @@ def _one_count(cond: CountCondition, f: Facts) -> str | None:
         return None
     end = _window_end(f)
     start = end - timedelta(minutes=cond.within_minutes)
-    pool = {e.id: e for e in f.context.window(cond.event_kinds(), start, end) if _has_signature(cond, e)}
+    kinds = cond.event_kinds()
+    if len(anchors) + f.context.count(kinds, start, end) < cond.at_least:
+        return None  # not enough events of these kinds at all: skip the careful count
+    pool = {e.id: e for e in f.context.window(kinds, start, end) if _has_signature(cond, e)}
     pool.update((e.id, e) for e in anchors if start <= e.time <= end)
     found = list(pool.values())
     if cond.scope == "gpu":
@@ -218,6 +221,30 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("count", _count),
 )
 
+Test = Callable[[When, Facts], bool]
+
+# Cheap yes/no forms of the set and number checks: `decide` tests every candidate rule with
+# these and builds the reason strings for the winner only (most of the engine's time otherwise).
+_TESTS: dict[str, Test] = {
+    "kinds": lambda w, f: not f.kinds.isdisjoint(w.kinds or ()),
+    "not_kinds": lambda w, f: f.kinds.isdisjoint(w.not_kinds or ()),
+    "xid": lambda w, f: not f.xid_codes.isdisjoint(w.xid or ()),
+    "dcgm_errors": lambda w, f: not f.dcgm_errors.isdisjoint(w.dcgm_errors or ()),
+    "dcgm_severity": lambda w, f: not f.dcgm_severities.isdisjoint(w.dcgm_severity or ()),
+    "dcgm_category": lambda w, f: not f.dcgm_categories.isdisjoint(w.dcgm_category or ()),
+    "ecc_dbe_at_least": lambda w, f: f.ecc_dbe >= (w.ecc_dbe_at_least or 0),
+    "out_of_service": lambda w, f: f.out_of_service == w.out_of_service,
+    "recent_remediations_at_least": lambda w, f: (
+        f.recent_remediations >= (w.recent_remediations_at_least or 0)
+    ),
+    "min_events": lambda w, f: f.event_count >= (w.min_events or 0),
+}
+
+
+def _test_of(name: str, check: Check) -> Test:
+    return _TESTS.get(name) or (lambda w, f: check(w, f) is not None)
+
+
 # Each condition only holds when the incident has events of these kinds: a rule whose
 # requirements the incident cannot meet is skipped without evaluating anything.
 _NEEDS: dict[str, frozenset[EventKind]] = {
@@ -237,7 +264,12 @@ class CompiledRule:
     index: int
     needs: tuple[frozenset[EventKind], ...]
     checks: tuple[tuple[str, Check], ...]
+    tests: tuple[Test, ...]  # the same conditions, yes/no only
     precedence: tuple[bool, int, int, int]
+
+    def holds(self, facts: Facts) -> bool:
+        when = self.rule.when
+        return all(test(when, facts) for test in self.tests)
 
 
 def _compile_rule(rule: Rule, index: int) -> CompiledRule:
@@ -250,7 +282,8 @@ def _compile_rule(rule: Rule, index: int) -> CompiledRule:
     if when.switch:
         needs.append(frozenset(when.switch.kinds))
     precedence = (rule.override, ACTION_RANK[rule.then.action], rule.priority, -index)
-    return CompiledRule(rule, index, tuple(needs), checks, precedence)
+    tests = tuple(_test_of(name, check) for name, check in checks)
+    return CompiledRule(rule, index, tuple(needs), checks, tests, precedence)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,13 +369,12 @@ def diagnose_level(rule: Rule, facts: Facts) -> int | None:
 
 
 def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
-    candidates: list[tuple[tuple[bool, int, int, int], Rule, list[str], int | None]] = []
+    candidates: list[tuple[tuple[bool, int, int, int], CompiledRule, int | None]] = []
     kinds = facts.kinds
     for compiled_rule in compiled(policy).candidates(facts):
         if len(compiled_rule.needs) > 1 and any(kinds.isdisjoint(need) for need in compiled_rule.needs):
             continue
-        reasons, _ = evaluate(compiled_rule, facts)
-        if reasons is None:
+        if not compiled_rule.holds(facts):
             continue
         rule = compiled_rule.rule
         level = None
@@ -350,7 +382,7 @@ def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
             level = diagnose_level(rule, facts)
             if level is None:
                 continue
-        candidates.append((compiled_rule.precedence, rule, reasons, level))
+        candidates.append((compiled_rule.precedence, compiled_rule, level))
 
     if not candidates:
         return Decision(
@@ -363,8 +395,9 @@ def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
         )
 
     candidates.sort(key=lambda c: c[0], reverse=True)
-    _, rule, reasons, level = candidates[0]
-    then = rule.then
+    _, winner, level = candidates[0]
+    reasons = evaluate(winner, facts)[0] or []
+    rule, then = winner.rule, winner.rule.then
     action, reason = then.action, f"{rule.description}: {'; '.join(reasons)}"
     if level is not None and level > min(policy.defaults.max_diagnose_level, MAX_LEVEL):
         action, level = Action.ESCALATE, None
@@ -379,6 +412,6 @@ def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
         recommend=list(then.recommend),
         owner=then.owner,
         approve=then.approve or action in policy.approvals.required_for,
-        matched=[c[1].id for c in candidates],
+        matched=[c[1].rule.id for c in candidates],
         policy_sha256=policy_sha256,
     )
