@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from integrations.checkpoints import latest_in_directory
-from integrations.processes import descendants, free_port, kill, start_time
+from integrations.processes import descendants, free_port, kill, start_time, wait_gone
 from integrations.protocols import JobInfo, JobState, NodeInfo, NodeState
 from integrations.sim.fleet import SimFleet, SimJob
 from integrations.sim.scheduler import SimScheduler
 from medic.config import REPO_ROOT
 
+STOP_TIMEOUT_S = 30.0
 TRAIN_SCRIPT = REPO_ROOT / "deployments" / "training" / "train.py"
 # train.py's fault injections fire once: a relaunch leaves them out. True: the option takes a value.
 ONE_SHOT_OPTIONS = {
@@ -119,6 +120,10 @@ class Launch:
         for pid, started in self.workers.items():
             kill(pid, started)
         self.process.wait()
+        # A relaunch must not overlap them: they could still append to the loss log or a checkpoint.
+        left = wait_gone(self.workers, STOP_TIMEOUT_S)
+        if left:
+            raise RuntimeError(f"workers {left} of torchrun {self.process.pid} survived SIGKILL")
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 
@@ -39,13 +40,25 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot: with the pid, it names one process for good."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name, or None once the pid is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
+    return stat.rsplit(")", 1)[1].split()
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot: with the pid, it names one process for good."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def running(pid: int, started: int) -> bool:
+    """Whether that process still runs: a zombie has finished, even if nobody has reaped it yet."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X") and int(fields[19]) == started
 
 
 def kill(pid: int, started: int | None = None) -> None:
@@ -54,3 +67,13 @@ def kill(pid: int, started: int | None = None) -> None:
         return
     with contextlib.suppress(ProcessLookupError):  # it exited on its own meanwhile
         os.kill(pid, signal.SIGKILL)
+
+
+def wait_gone(processes: dict[int, int], timeout_s: float) -> list[int]:
+    """Wait for the processes (pid -> start time) to finish; the pids still running at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while (left := [pid for pid, started in processes.items() if running(pid, started)]) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.02)  # SIGKILL is delivered asynchronously; a busy machine takes a moment
+    return left

@@ -35,8 +35,10 @@ def _checkpoint_step(rt: Runtime, job: str) -> int | None:
 
 
 def _progressed(rt: Runtime, job: str, info: JobInfo, floor: int) -> bool:
-    if info.state is not JobState.RUNNING:
-        return False
+    if info.state is JobState.FAILED and info.restarts > 0:
+        raise RuntimeError(f"job {job} failed again after its restart")
+    if info.state not in (JobState.RUNNING, JobState.COMPLETED):
+        return False  # a job that finished between two polls has progressed too
     if info.step is not None:
         return info.step > floor
     return (_checkpoint_step(rt, job) or 0) > floor or info.restarts > 0

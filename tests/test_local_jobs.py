@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from integrations.local_jobs import LocalTorchrunScheduler, without_one_shot
-from integrations.processes import start_time
+from integrations.processes import running
 from integrations.protocols import JobState, NodeState
 from integrations.sim.fleet import SimFleet
 
@@ -48,11 +48,6 @@ def wait_for_step(scheduler: LocalTorchrunScheduler, above: int) -> int:
     return info.step
 
 
-def alive(pid: int) -> bool:
-    status = Path(f"/proc/{pid}/status")
-    return status.exists() and "State:\tZ" not in status.read_text()
-
-
 @pytest.mark.system
 def test_requeue_kills_the_running_launch_and_resumes_on_fewer_nodes(
     scheduler: LocalTorchrunScheduler,
@@ -63,12 +58,13 @@ def test_requeue_kills_the_running_launch_and_resumes_on_fewer_nodes(
     assert [j.id for j in scheduler.jobs_on_node("gpu-node-2")] == [JOB]
     assert fleet.nodes["gpu-node-2"].state is NodeState.ALLOCATED
     old = scheduler.jobs[JOB].current
-    workers = list(old.workers)
-    assert len(workers) >= 2 and all(start_time(pid) is not None for pid in workers)
+    workers = dict(old.workers)
+    assert len(workers) >= 2 and all(running(pid, started) for pid, started in workers.items())
 
     info = scheduler.requeue(JOB, exclude=["gpu-node-2"])
 
-    assert not any(alive(pid) for pid in [old.process.pid, *workers])
+    assert old.process.returncode is not None
+    assert not any(running(pid, started) for pid, started in workers.items())
     assert (info.state, info.nodes, info.restarts) == (JobState.RUNNING, ("gpu-node-1",), 1)
     resumed_from = info.step
     assert resumed_from is not None and resumed_from >= 30 and resumed_from % 10 == 0
