@@ -139,7 +139,7 @@ def test_explain_shows_the_cross_node_rule_and_the_guardrail(tmp_path: Path) -> 
     # n3 completes a two-node storm under leaf-2: the override wins and takes nothing out.
     n3 = out[out.index("on n3") :]
     assert rule_rows(n3)["storm"] == ["escalate", "yes", "2 nodes under leaf-2 report xid within 5 min"]
-    assert "Decision: escalate (infrastructure) by rule storm." in n3
+    assert "Decision: escalate (infrastructure) by rule storm, told to network." in n3
     assert "Guardrail" not in n3
 
 

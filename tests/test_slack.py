@@ -314,12 +314,13 @@ def test_from_env_needs_a_token_and_honours_slack_api_url(slack_api: SlackApi) -
 
 
 def test_current_flow_run_url_links_the_prefect_ui_only_when_known(monkeypatch: pytest.MonkeyPatch) -> None:
-    from prefect.settings import PREFECT_UI_URL, temporary_settings
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
     monkeypatch.setenv("PREFECT__FLOW_RUN_ID", "0b5e")
     with temporary_settings({PREFECT_UI_URL: "http://prefect.example"}):
         assert current_flow_run_url(MESSAGE) == "http://prefect.example/flow-runs/flow-run/0b5e"
-    with temporary_settings(restore_defaults={PREFECT_UI_URL}):
+    # With no UI address and no API address to derive one from (the test harness sets an API URL).
+    with temporary_settings(restore_defaults={PREFECT_UI_URL, PREFECT_API_URL}):
         assert current_flow_run_url(MESSAGE) is None
 
 
