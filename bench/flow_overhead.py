@@ -53,7 +53,6 @@ def _scenario(count: int, tag: str) -> tuple[Any, list[str]]:
             [
                 ("xid", {"gpu": 5, "attributes": {"code": 79, "message": "GPU has fallen off the bus."}}),
                 ("xid", {"gpu": 5, "attributes": {"code": 79}}),
-                ("nccl_timeout", {"job": job, "rank": 8, "source": "job"}),
                 ("job_crash", {"job": job, "rank": 8, "source": "job", "attributes": {"exit_code": 134}}),
             ]
         ):

@@ -3,16 +3,48 @@
 One node's incident rarely tells the cause. The same NaN at the same iteration and rank on
 several nodes is the application; the same XID again and again on one GPU is the hardware;
 timeouts from half the nodes under one switch are the network. Rules reach those facts through
-this index, which windowed counts query in O(log n + k).
+this index: events are kept sorted by time per kind and per (kind, node | job | switch |
+iteration and rank), so a windowed count looks only at the events that can match.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from datetime import datetime
 
 from medic.events import EventKind, FaultEvent
+
+# What an index is keyed by, besides the kind.
+SCOPES = ("node", "job", "switch", "mark")
+
+
+def _key(event: FaultEvent, scope: str) -> Hashable | None:
+    if scope == "mark":
+        return (
+            (event.iteration, event.rank) if event.iteration is not None and event.rank is not None else None
+        )
+    return getattr(event, scope)
+
+
+class _Series:
+    """Events of one index entry, sorted by time, with their times for bisection."""
+
+    __slots__ = ("events", "times")
+
+    def __init__(self) -> None:
+        self.events: list[FaultEvent] = []
+        self.times: list[datetime] = []
+
+    def sort(self) -> None:
+        self.events.sort(key=lambda e: e.time)
+        self.times = [e.time for e in self.events]
+
+    def between(self, start: datetime, end: datetime) -> list[FaultEvent]:
+        return self.events[bisect_left(self.times, start) : bisect_right(self.times, end)]
+
+    def count(self, start: datetime, end: datetime) -> int:
+        return bisect_right(self.times, end) - bisect_left(self.times, start)
 
 
 class Context:
@@ -23,30 +55,36 @@ class Context:
         switch_sizes: Mapping[str, int] | None = None,
         fleet_size: int | None = None,
     ) -> None:
-        by_kind: dict[EventKind, list[FaultEvent]] = {}
+        self._series: dict[tuple[Hashable, ...], _Series] = {}
         for event in events:
-            by_kind.setdefault(event.kind, []).append(event)
-        self._events = {kind: sorted(found, key=lambda e: e.time) for kind, found in by_kind.items()}
-        self._times = {kind: [e.time for e in found] for kind, found in self._events.items()}
+            self._series.setdefault((event.kind,), _Series()).events.append(event)
+            for scope in SCOPES:
+                key = _key(event, scope)
+                if key is not None:
+                    self._series.setdefault((event.kind, scope, key), _Series()).events.append(event)
+        for series in self._series.values():
+            series.sort()
         self.switch_sizes: Mapping[str, int] = switch_sizes or {}
         self.fleet_size = fleet_size
 
+    def window(
+        self,
+        kinds: Iterable[EventKind],
+        start: datetime,
+        end: datetime,
+        scope: str | None = None,
+        key: Hashable | None = None,
+    ) -> Iterator[FaultEvent]:
+        """Events of these kinds with start <= time <= end, optionally only those of one node,
+        job, switch or (iteration, rank) `mark`."""
+        for kind in kinds:
+            series = self._series.get((kind,) if scope is None else (kind, scope, key))
+            if series is not None:
+                yield from series.between(start, end)
+
     def count(self, kinds: Iterable[EventKind], start: datetime, end: datetime) -> int:
         """How many events of these kinds lie in the range, without touching them."""
-        total = 0
-        for kind in kinds:
-            times = self._times.get(kind)
-            if times:
-                total += bisect_right(times, end) - bisect_left(times, start)
-        return total
-
-    def window(self, kinds: Iterable[EventKind], start: datetime, end: datetime) -> Iterator[FaultEvent]:
-        """Events of these kinds with start <= time <= end."""
-        for kind in kinds:
-            times = self._times.get(kind)
-            if times:
-                found = self._events[kind]
-                yield from found[bisect_left(times, start) : bisect_right(times, end)]
+        return sum(series.count(start, end) for kind in kinds if (series := self._series.get((kind,))))
 
 
 EMPTY = Context()

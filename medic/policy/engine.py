@@ -137,8 +137,11 @@ def _one_count(cond: CountCondition, f: Facts) -> str | None:
     kinds = cond.event_kinds()
     if len(anchors) + f.context.count(kinds, start, end) < cond.at_least:
         return None  # not enough events of these kinds at all: skip the careful count
-    pool = {e.id: e for e in f.context.window(kinds, start, end) if _has_signature(cond, e)}
-    pool.update((e.id, e) for e in anchors if start <= e.time <= end)
+    pool = {e.id: e for e in anchors if start <= e.time <= end}
+    for scope, key in _lookups(cond, f, anchors):
+        pool.update(
+            (e.id, e) for e in f.context.window(kinds, start, end, scope, key) if _has_signature(cond, e)
+        )
     found = list(pool.values())
     if cond.scope == "gpu":
         gpus = {(e.node, e.gpu) for e in anchors if e.gpu is not None}
@@ -170,6 +173,22 @@ def _one_count(cond: CountCondition, f: Facts) -> str | None:
     return f"{n} {cond.distinct} with {cond.describe()}{same} {where[cond.scope]} within {cond.within_minutes} min"
 
 
+def _lookups(cond: CountCondition, f: Facts, anchors: list[FaultEvent]) -> list[tuple[str | None, object]]:
+    """Which slices of the cluster index can hold matching events (the narrowest that suffices)."""
+    if cond.same_iteration_rank:
+        return [
+            ("mark", m)
+            for m in {
+                (e.iteration, e.rank) for e in anchors if e.iteration is not None and e.rank is not None
+            }
+        ]
+    if cond.scope in ("gpu", "node"):
+        return [("node", n) for n in {e.node for e in anchors}] if cond.scope == "gpu" else [("node", f.node)]
+    if cond.scope == "job":
+        return [("job", j) for j in {e.job for e in anchors if e.job}]
+    return [(None, None)]
+
+
 def _count(when: When, f: Facts) -> str | None:
     reasons = []
     for cond in when.count or ():
@@ -190,7 +209,7 @@ def _switch(when: When, f: Facts) -> str | None:
     own = {e.node for e in f.events if e.kind in cond.kinds and start <= e.time <= end}
     if not own:
         return None
-    nodes = own | {e.node for e in f.context.window(cond.kinds, start, end) if e.switch == f.switch}
+    nodes = own | {e.node for e in f.context.window(cond.kinds, start, end, "switch", f.switch)}
     size = f.context.switch_sizes.get(f.switch)
     enough = cond.nodes_at_least is not None and len(nodes) >= cond.nodes_at_least
     share = cond.fraction_at_least is not None and bool(size) and len(nodes) / size >= cond.fraction_at_least
