@@ -17,7 +17,7 @@ from medic.events import FaultEvent
 from medic.facts import Facts, facts_of
 from medic.incidents import Incident, correlate
 from medic.policy import LoadedPolicy, decide, guardrails
-from medic.policy.guardrails import FleetState, takes_node_out
+from medic.policy.guardrails import HOUR, FleetState, takes_node_out
 from medic.policy.model import DESTRUCTIVE, Action, Decision
 
 
@@ -56,14 +56,18 @@ class _ReplayedFleet:
     taken_out_at: dict[str, datetime] = field(default_factory=dict)
     breaker_open: bool = False
 
-    def state(self, now: datetime) -> FleetState:
+    def state(self, now: datetime, opened: datetime) -> FleetState:
+        # Incidents come in order of opening, and every later decision happens after `opened`:
+        # actions more than an hour before it can never matter again. Dropping them keeps a
+        # replay of a week of events linear. The snapshot shares the dicts (it is only read).
+        self.destructive_at = [at for at in self.destructive_at if at >= opened - HOUR]
         return FleetState(
             now=now,
             fleet_size=self.fleet_size,
             out_of_service=frozenset(self.out_of_service),
             destructive_at=tuple(self.destructive_at),
-            last_destructive=dict(self.last_destructive),
-            taken_out_at=dict(self.taken_out_at),
+            last_destructive=self.last_destructive,
+            taken_out_at=self.taken_out_at,
             breaker_open=self.breaker_open,
         )
 
@@ -106,7 +110,10 @@ def replay(
         now = incident.last_at
         facts = facts_of(incident, out_of_service=incident.node in fleet.out_of_service, context=context)
         decision = guardrails.apply(
-            policy.guardrails, fleet.state(now), incident.node, decide(policy, facts, loaded.sha256)
+            policy.guardrails,
+            fleet.state(now, incident.opened_at),
+            incident.node,
+            decide(policy, facts, loaded.sha256),
         )
         fleet.record(incident.node, now, decision)
         yield Replayed(incident, facts, decision)

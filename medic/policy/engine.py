@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from medic.events import EventKind, FaultEvent
@@ -314,12 +314,24 @@ class CompiledPolicy:
     by_xid: dict[int, tuple[CompiledRule, ...]]  # rules with an `xid` condition, by code
     always: tuple[CompiledRule, ...]  # rules with no kind requirement
 
-    def candidates(self, facts: Facts) -> list[CompiledRule]:
+    # Incidents come in few shapes (kinds, XID codes): remember each shape's candidate list.
+    seen: dict[tuple[frozenset[EventKind], frozenset[int]], tuple[CompiledRule, ...]] = field(
+        default_factory=dict
+    )
+
+    def candidates(self, facts: Facts) -> tuple[CompiledRule, ...]:
+        shape = (facts.kinds, facts.xid_codes)
+        hit = self.seen.get(shape)
+        if hit is not None:
+            return hit
         found = {r.index: r for kind in facts.kinds for r in self.by_kind.get(kind, ())}
         for code in facts.xid_codes:
             found.update((r.index, r) for r in self.by_xid.get(code, ()))
         found.update((r.index, r) for r in self.always)
-        return [found[i] for i in sorted(found)]
+        result = tuple(found[i] for i in sorted(found))
+        if len(self.seen) < 4096:
+            self.seen[shape] = result
+        return result
 
 
 def _compile_policy(policy: Policy) -> CompiledPolicy:
