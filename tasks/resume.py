@@ -35,12 +35,14 @@ def _checkpoint_step(rt: Runtime, job: str) -> int | None:
 
 
 def _progressed(rt: Runtime, job: str, info: JobInfo, floor: int) -> bool:
+    if info.step is not None and info.step > floor:
+        return True  # it trained past its checkpoint: resumed (a later failure is a new fault)
+    if info.state is JobState.COMPLETED:
+        return True  # finished between two polls, or had nothing left to train
     if info.state is JobState.FAILED and info.restarts > 0:
-        raise RuntimeError(f"job {job} failed again after its restart")
-    if info.state not in (JobState.RUNNING, JobState.COMPLETED):
-        return False  # a job that finished between two polls has progressed too
-    if info.step is not None:
-        return info.step > floor
+        raise RuntimeError(f"job {job} failed again after its restart, before passing step {floor}")
+    if info.state is not JobState.RUNNING or info.step is not None:
+        return False
     return (_checkpoint_step(rt, job) or 0) > floor or info.restarts > 0
 
 

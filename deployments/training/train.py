@@ -216,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     with hooks.watch():
         train(args, hooks, rank, world, device)
+    # No rank may tear the group down while another is still in its last save: that aborted
+    # the slower rank (SIGABRT) now and then.
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
