@@ -15,6 +15,7 @@ import boto3
 import pytest
 from botocore.client import BaseClient
 from botocore.stub import Stubber
+from fake_time import FakeTime
 
 from integrations.aws_retry import RetryPolicy
 from integrations.hyperpod import HyperPodProvider
@@ -26,21 +27,6 @@ CLUSTER = "train-p5"
 
 def iid(n: int) -> str:
     return f"i-{n:017x}"
-
-
-class FakeTime:
-    """A clock that moves only when slept on, so waits and backoff cost no real time."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.sleeps: list[float] = []
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-    def clock(self) -> float:
-        return self.now
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import traceback
 from collections.abc import Iterator
 
 import pytest
+from fake_time import FakeTime
 from slack_api import SlackApi, running_slack_api
 from slack_sdk import WebClient
 from torchrun_support import free_port
@@ -47,21 +48,6 @@ MESSAGE = Message(
     recommend=("Open a vendor RMA for node-7", "Check the PSU on rack r12"),
     fields={"node": "node-7", "gpu": "3", "jobs": "job-1, job-2", "owner": "", "flow run": "brave-otter"},
 )
-
-
-class FakeTime:
-    """A clock that only the injected sleep moves, so retry budgets are checked without waiting."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.sleeps: list[float] = []
-
-    def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-        self.now += seconds
-
-    def clock(self) -> float:
-        return self.now
 
 
 @pytest.fixture
