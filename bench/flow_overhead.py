@@ -93,7 +93,7 @@ def _setup(count: int, tag: str, directory: Path) -> tuple[Any, list[Any]]:
 def remediate_direct(incident_id: str, node: str) -> Any:
     """flows/remediate.py's `remediate`, stage for stage, with Prefect bypassed (task `.fn`s)."""
     from flows.ladder import MAX_STEPS
-    from flows.remediate import Outcome, _evidence, _message, _summary
+    from flows.remediate import _evidence, _message, _summary, closing_status, outcome_of
     from medic.audit import incident_markdown
     from medic.policy import Action
     from medic.policy.model import DESTRUCTIVE
@@ -145,25 +145,11 @@ def remediate_direct(incident_id: str, node: str) -> Any:
         updates.append(verified.detail)
     for text in [*updates, f"Closed: {summary}"]:
         update.fn(incident_id, thread, text)
-    escalated = acted.status == "escalated" or (verified is not None and not verified.passed)
-    close.fn(incident_id, summary, status="escalated" if escalated else "closed")
+    close.fn(incident_id, summary, status=closing_status(acted, verified))
     detail = current().store.incident_detail(incident_id)
     if detail is not None:
         incident_markdown(detail)  # the flow turns this into an artifact; rendering it is ours
-    return Outcome(
-        incident=incident_id,
-        node=node,
-        classification=decision.classification.value,
-        action=decision.action.value,
-        rule=decision.rule,
-        reason=decision.reason,
-        act=acted.status,
-        resumed=resumed,
-        verified=verified,
-        diagnostics=seen,
-        notified=True,
-        summary=summary,
-    )
+    return outcome_of(incident_id, node, decision, acted, resumed, verified, seen, True, summary)
 
 
 def _in_tasks(rt: Any, incident_id: str) -> float:

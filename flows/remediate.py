@@ -106,6 +106,39 @@ def _message(triaged: Triage, decision: Decision, summary: str) -> Message:
     )
 
 
+def closing_status(acted: ActOutcome, verified: VerifyOutcome | None) -> str:
+    """Escalated when the action did not happen or the node failed its verification."""
+    failed = acted.status == "escalated" or (verified is not None and not verified.passed)
+    return "escalated" if failed else "closed"
+
+
+def outcome_of(
+    incident_id: str,
+    node: str,
+    decision: Decision,
+    acted: ActOutcome,
+    resumed: ResumeOutcome | None,
+    verified: VerifyOutcome | None,
+    seen: list[str],
+    notified: bool,
+    summary: str,
+) -> Outcome:
+    return Outcome(
+        incident=incident_id,
+        node=node,
+        classification=decision.classification.value,
+        action=decision.action.value,
+        rule=decision.rule,
+        reason=decision.reason,
+        act=acted.status,
+        resumed=resumed,
+        verified=verified,
+        diagnostics=seen,
+        notified=notified,
+        summary=summary,
+    )
+
+
 def _evidence(incident_id: str) -> str:
     events = current().store.incident_events(incident_id)
     kinds = sorted({e.kind.value for e in events})
@@ -196,24 +229,10 @@ async def remediate(incident_id: str, node: str) -> Outcome:
     summary = _summary(decision, acted, resumed, verified)
     thread.say(f"Closed: {summary}")
 
-    escalated = acted.status == "escalated" or (verified is not None and not verified.passed)
-    close(incident_id, summary, status="escalated" if escalated else "closed")
+    close(incident_id, summary, status=closing_status(acted, verified))
     detail = current().store.incident_detail(incident_id)
     if detail is not None:
         await create_markdown_artifact(
             markdown=incident_markdown(detail), key=incident_id, description=summary
         )
-    return Outcome(
-        incident=incident_id,
-        node=node,
-        classification=decision.classification.value,
-        action=decision.action.value,
-        rule=decision.rule,
-        reason=decision.reason,
-        act=acted.status,
-        resumed=resumed,
-        verified=verified,
-        diagnostics=seen,
-        notified=thread.ok,
-        summary=summary,
-    )
+    return outcome_of(incident_id, node, decision, acted, resumed, verified, seen, thread.ok, summary)

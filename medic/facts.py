@@ -61,12 +61,6 @@ class Facts:
         return max((d.level for d in self.diagnostics), default=0)
 
 
-def _worst(severities: Iterable[Severity]) -> Severity | None:
-    order = list(Severity)
-    found = list(severities)
-    return max(found, key=order.index) if found else None
-
-
 def _dcgm_names(errors: Iterable[int | str]) -> tuple[tuple[str, ...], list[Severity], list[str]]:
     names: list[str] = []
     severities: list[Severity] = []
@@ -115,7 +109,7 @@ def facts_of(
             case EventKind.DIAGNOSTIC:
                 names, severities, _ = _dcgm_names(attrs.get("error_ids", []))
                 diagnostics.append(
-                    DiagnosticFact(int(attrs["level"]), attrs["result"], names, _worst(severities))
+                    DiagnosticFact(int(attrs["level"]), attrs["result"], names, dcgm_errors.worst(severities))
                 )
     recent = [h for h in incident.history if now - h.time <= HISTORY_WINDOW]
     return Facts(
