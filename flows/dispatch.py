@@ -8,6 +8,7 @@ from datetime import timedelta
 from flows.remediate import Outcome, remediate
 from medic.incidents import Incident, correlate
 from medic.intake import Intake
+from tasks.evidence import storms
 from tasks.reconcile import reconcile_intents
 from tasks.runtime import Runtime
 
@@ -28,7 +29,7 @@ def record(rt: Runtime, intake: Intake) -> Dispatch:
         intake.duplicates.extend(e.id for e in intake.events if e.id in known)
         intake.events = [e for e in intake.events if e.id not in known]
     window = timedelta(minutes=rt.policy().policy.defaults.incident_window_minutes)
-    incidents = correlate(intake.events, window)
+    incidents = correlate(intake.events, window, storms(rt))
     dispatch = Dispatch(incidents=incidents)
     dispatch.rejected = rt.store.record_rejections(intake.rejected)
     grouped = {e.id for i in incidents for e in i.events}

@@ -1,10 +1,16 @@
 """The warm path: events `medic serve` has stored become incidents and flow runs in this process.
 
-A new event joins its node's incident while that incident is still being handled and the event
-falls within the policy's window, so the running flow sees the new evidence at its next
-decision instead of a second flow run starting. Everything else is correlated into new
-incidents, each remediated by its own flow run on a worker thread (flows run sync tasks; the
-service's event loop must stay free to acknowledge events).
+A new event joins its node's incident (or its switch's, for a switch-wide storm) while that
+incident is still being handled and the event falls within the policy's window, so the running
+flow sees the new evidence at its next decision instead of a second flow run starting.
+Everything else is correlated into new incidents, each remediated by its own flow run on a
+worker thread (flows run sync tasks; the service's event loop must stay free to acknowledge
+events).
+
+Events a policy `switch` condition counts (collective timeouts, say) are held for
+`defaults.storm_hold_seconds` first: the first node to report a switch failure reports it
+alone, and deciding on it before its neighbours do would take a healthy node out. Held events
+are already stored, so a restart hands them on again from the backlog.
 """
 
 from __future__ import annotations
@@ -12,13 +18,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from datetime import timedelta
+from collections.abc import Callable, Coroutine
+from datetime import datetime, timedelta
+from typing import Any
 
 import anyio
 
 from flows.dispatch import remediate_one
 from medic.events import FaultEvent
-from medic.incidents import Incident, correlate
+from medic.incidents import Incident, Scope, Storms, correlate
+from medic.store.tables import IncidentRecord
+from tasks.evidence import storms
 from tasks.guard import ensure_limits
 from tasks.runtime import Runtime
 
@@ -30,57 +40,101 @@ class LiveDispatcher:
     def __init__(self, rt: Runtime, max_concurrent: int = 8) -> None:
         self.rt = rt
         self._limiter = anyio.CapacityLimiter(max_concurrent)
-        self._runs: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._held: dict[str, list[FaultEvent]] = {}
+        self._correlating = asyncio.Lock()
 
     async def warm_up(self) -> None:
         """Start Prefect's API (embedded or remote) before the first fault needs it."""
         await ensure_limits()
 
     async def __call__(self, events: list[FaultEvent]) -> None:
-        incidents = await anyio.to_thread.run_sync(self._correlate, events)
-        for incident in incidents:
-            task = asyncio.create_task(self._run(incident))
-            self._runs.add(task)
-            task.add_done_callback(self._runs.discard)
+        policy = self.rt.policy().policy
+        counted = policy.storms().counts
+        now = [e for e in events if not counted(e)]
+        if now:
+            await self._open(now)
+        for event in events:
+            if counted(event):
+                self._hold(event, policy.defaults.storm_hold_seconds)
 
-    async def drain(self) -> None:
-        """Wait for the flow runs started so far (tests, shutdown)."""
-        while self._runs:
-            await asyncio.gather(*list(self._runs), return_exceptions=True)
-
-    def _correlate(self, events: list[FaultEvent]) -> list[Incident]:
-        store = self.rt.store
-        window = timedelta(minutes=self.rt.policy().policy.defaults.incident_window_minutes)
-        by_node: dict[str, list[FaultEvent]] = defaultdict(list)
-        for event in sorted(events, key=lambda e: (e.time, e.id)):
-            by_node[event.node].append(event)
-        fresh: list[FaultEvent] = []
-        for node, found in by_node.items():
-            active = store.find_active_incident(node, ACTIVE)
-            joined = []
-            if active is not None:
-                last = active.last_event_at
-                for event in found:
-                    if event.time - last <= window:
-                        joined.append(event)
-                        last = max(last, event.time)
-            if joined:
-                extra = Incident(id=active.id, node=node, events=joined)  # type: ignore[union-attr]
-                store.attach_events([extra])
-                store.open_incident(extra)
-            joined_ids = {e.id for e in joined}
-            fresh.extend(e for e in found if e.id not in joined_ids)
-        incidents = correlate(fresh, window)
-        store.attach_events(incidents)
-        for incident in incidents:
-            store.open_incident(incident)
-        return incidents
-
-    async def _run(self, incident: Incident) -> None:
+    async def start(self, incident: Incident) -> None:
+        """Remediate one new incident: here, a flow run in this process."""
         try:
             await anyio.to_thread.run_sync(_run_flow, self.rt, incident, limiter=self._limiter)
         except Exception:  # one incident's failure must not stop the service
             log.exception("remediation of %s failed", incident.id)
+
+    async def drain(self) -> None:
+        """Wait for held events and the flow runs started so far (tests, shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def _spawn(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        task = asyncio.create_task(work())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _hold(self, event: FaultEvent, seconds: float) -> None:
+        switch = event.switch or ""
+        held = self._held.setdefault(switch, [])
+        if not held:
+
+            async def release() -> None:
+                await asyncio.sleep(seconds)
+                await self._open(self._held.pop(switch))
+
+            self._spawn(release)
+        held.append(event)
+
+    async def _open(self, events: list[FaultEvent]) -> None:
+        async with self._correlating:  # a release and a new batch must not both open an incident
+            incidents = await anyio.to_thread.run_sync(self._correlate, events)
+        for incident in incidents:
+            self._spawn(lambda incident=incident: self.start(incident))
+
+    def _correlate(self, events: list[FaultEvent]) -> list[Incident]:
+        window = timedelta(minutes=self.rt.policy().policy.defaults.incident_window_minutes)
+        current = storms(self.rt)
+        fresh = self._join_active(events, window, current)
+        incidents = correlate(fresh, window, current)
+        self.rt.store.attach_events(incidents)
+        for incident in incidents:
+            self.rt.store.open_incident(incident)
+        return incidents
+
+    def _join_active(self, events: list[FaultEvent], window: timedelta, current: Storms) -> list[FaultEvent]:
+        """Attach events to the incidents being handled that they belong to; return the rest."""
+        switches = {e.switch for e in events if current.counts(e)}
+        storming = {s for s in switches if s and self._active(s, "switch") is not None}
+        by_subject: dict[tuple[Scope, str], list[FaultEvent]] = defaultdict(list)
+        for event in sorted(events, key=lambda e: (e.time, e.id)):
+            switch_wide = current.counts(event) and event.switch in storming
+            by_subject[("switch", event.switch or "") if switch_wide else ("node", event.node)].append(event)
+        fresh: list[FaultEvent] = []
+        for (scope, subject), found in by_subject.items():
+            active = self._active(subject, scope)
+            joined = _within(found, active.last_event_at, window) if active is not None else []
+            if active is not None and joined:
+                extra = Incident(id=active.id, node=subject, events=joined, scope=scope)
+                self.rt.store.attach_events([extra])
+                self.rt.store.open_incident(extra)
+            joined_ids = {e.id for e in joined}
+            fresh.extend(e for e in found if e.id not in joined_ids)
+        return fresh
+
+    def _active(self, subject: str, scope: Scope) -> IncidentRecord | None:
+        return self.rt.store.find_active_incident(subject, ACTIVE, scope)
+
+
+def _within(events: list[FaultEvent], last: datetime, window: timedelta) -> list[FaultEvent]:
+    """The events (time-sorted) that keep coming within `window` of the incident's last one."""
+    joined = []
+    for event in events:
+        if event.time - last <= window:
+            joined.append(event)
+            last = max(last, event.time)
+    return joined
 
 
 def _run_flow(rt: Runtime, incident: Incident) -> None:

@@ -1,21 +1,29 @@
-"""Grouping events into incidents: one incident per node per burst of trouble.
+"""Grouping events into incidents: one incident per node per burst of trouble, or one per switch storm.
 
-A storm of events about one node must become one incident (and so one flow run), not
-hundreds. v1 correlates by node: an event joins the node's open incident when it comes
-within `window` of that incident's last event, otherwise it opens a new one.
-`remediation` events are the node's history, not trouble: they never open an incident.
+A storm of events about one node must become one incident (and so one flow run), not hundreds.
+An event joins its node's open incident when it comes within `window` of that incident's last
+event, otherwise it opens a new one. `remediation` events are the node's history, not trouble:
+they never open an incident.
+
+Trouble under one leaf switch from many nodes at once is the network's, and deciding on it node
+by node is how one bad switch becomes 32 drained nodes. So the events the policy's `switch`
+conditions count (`Storms`), when they meet such a condition, become ONE incident about the
+switch: its `node` is the switch's name and its `scope` is "switch".
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Literal
 
 from medic.events import EventKind, FaultEvent
 
 DEFAULT_WINDOW = timedelta(minutes=10)
+Scope = Literal["node", "switch"]
 
 
 def incident_id(node: str, first_event_id: str) -> str:
@@ -27,9 +35,10 @@ def incident_id(node: str, first_event_id: str) -> str:
 @dataclass(slots=True)
 class Incident:
     id: str
-    node: str
+    node: str  # the switch's name when scope is "switch"
     events: list[FaultEvent] = field(default_factory=list)
     history: list[FaultEvent] = field(default_factory=list)
+    scope: Scope = "node"
 
     @property
     def opened_at(self) -> datetime:
@@ -51,17 +60,122 @@ class Incident:
     def switch(self) -> str | None:
         return next((e.switch for e in self.events if e.switch), None)
 
+    @property
+    def subject(self) -> str:
+        """What the incident is about, for people: `gpu-017`, or `switch leaf-3 (32 nodes)`."""
+        return f"switch {self.node} ({len(self.nodes)} nodes)" if self.scope == "switch" else self.node
+
     def add(self, event: FaultEvent) -> None:
         self.events.append(event)
 
 
-def correlate(events: Iterable[FaultEvent], window: timedelta = DEFAULT_WINDOW) -> list[Incident]:
+@dataclass(frozen=True, slots=True)
+class StormRule:
+    """One policy `switch` condition: these kinds from this many nodes under a switch within `within`."""
+
+    kinds: frozenset[EventKind]
+    within: timedelta
+    nodes_at_least: int | None = None
+    fraction_at_least: float | None = None
+
+    def met(self, nodes: int, switch_size: int | None) -> bool:
+        # The same test as the policy engine's `switch` condition, so what correlation calls a
+        # storm is what the rule then decides on.
+        enough = self.nodes_at_least is not None and nodes >= self.nodes_at_least
+        share = (
+            self.fraction_at_least is not None
+            and bool(switch_size)
+            and nodes / switch_size >= self.fraction_at_least  # type: ignore[operator]
+        )
+        return enough or share
+
+    def holds_in(self, events: list[FaultEvent], switch_size: int | None) -> bool:
+        """Whether some span of `within` holds enough distinct nodes (events sorted by time)."""
+        counted = [e for e in events if e.kind in self.kinds]
+        nodes: Counter[str] = Counter()
+        start = 0
+        for event in counted:
+            nodes[event.node] += 1
+            while event.time - counted[start].time > self.within:
+                gone = counted[start].node
+                nodes[gone] -= 1
+                if not nodes[gone]:
+                    del nodes[gone]
+                start += 1
+            if self.met(len(nodes), switch_size):
+                return True
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Storms:
+    """What makes trouble under one switch one incident; no rules: every incident is one node's."""
+
+    rules: tuple[StormRule, ...] = ()
+    switch_sizes: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def kinds(self) -> frozenset[EventKind]:
+        return frozenset().union(*(r.kinds for r in self.rules))
+
+    def counts(self, event: FaultEvent) -> bool:
+        """Whether the event could be part of a switch storm."""
+        return event.switch is not None and event.kind in self.kinds
+
+    def is_storm(self, switch: str, events: list[FaultEvent]) -> bool:
+        size = self.switch_sizes.get(switch)
+        return any(rule.holds_in(events, size) for rule in self.rules)
+
+
+NO_STORMS = Storms()
+
+
+def _bursts(events: list[FaultEvent], window: timedelta) -> Iterable[list[FaultEvent]]:
+    """Split time-sorted events where more than `window` passes without one."""
+    burst: list[FaultEvent] = []
+    for event in events:
+        if burst and event.time - burst[-1].time > window:
+            yield burst
+            burst = []
+        burst.append(event)
+    if burst:
+        yield burst
+
+
+def _switch_storms(
+    ordered: list[FaultEvent], window: timedelta, storms: Storms
+) -> tuple[list[Incident], set[str]]:
+    by_switch: dict[str, list[FaultEvent]] = defaultdict(list)
+    for event in ordered:
+        if storms.counts(event):
+            by_switch[event.switch].append(event)  # type: ignore[index]
+    incidents, taken = [], set()
+    for switch, candidates in by_switch.items():
+        for burst in _bursts(candidates, window):
+            if storms.is_storm(switch, burst):
+                incidents.append(
+                    Incident(
+                        id=incident_id(f"switch:{switch}", burst[0].id),
+                        node=switch,
+                        events=burst,
+                        scope="switch",
+                    )
+                )
+                taken.update(e.id for e in burst)
+    return incidents, taken
+
+
+def correlate(
+    events: Iterable[FaultEvent], window: timedelta = DEFAULT_WINDOW, storms: Storms = NO_STORMS
+) -> list[Incident]:
     """Group events (any order) into incidents, oldest first. Pure: same input, same ids."""
     ordered = sorted(events, key=lambda e: (e.time, e.id))
+    incidents, taken = _switch_storms(ordered, window, storms) if storms.rules else ([], set())
     history: dict[str, list[FaultEvent]] = {}
     open_by_node: dict[str, Incident] = {}
-    incidents: list[Incident] = []
     for event in ordered:
+        if event.id in taken:
+            continue
         if event.kind is EventKind.REMEDIATION:
             history.setdefault(event.node, []).append(event)
             continue
@@ -72,5 +186,7 @@ def correlate(events: Iterable[FaultEvent], window: timedelta = DEFAULT_WINDOW) 
             incidents.append(current)
         current.add(event)
     for incident in incidents:
-        incident.history = [h for h in history.get(incident.node, []) if h.time <= incident.last_at]
+        if incident.scope == "node":
+            incident.history = [h for h in history.get(incident.node, []) if h.time <= incident.last_at]
+    incidents.sort(key=lambda i: (i.opened_at, i.events[0].id))
     return incidents

@@ -106,7 +106,7 @@ def replay(
     context = Context(events, fleet_size=fleet_size)
     fleet = _ReplayedFleet(fleet_size)
     window = timedelta(minutes=policy.defaults.incident_window_minutes)
-    for incident in correlate(events, window):
+    for incident in correlate(events, window, policy.storms()):
         now = incident.last_at
         facts = facts_of(incident, out_of_service=incident.node in fleet.out_of_service, context=context)
         decision = guardrails.apply(
@@ -114,6 +114,7 @@ def replay(
             fleet.state(now, incident.opened_at),
             incident.node,
             decide(policy, facts, loaded.sha256),
+            incident.scope,
         )
         fleet.record(incident.node, now, decision)
         yield Replayed(incident, facts, decision)

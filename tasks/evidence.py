@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from integrations.protocols import DiagnosticResult, NodeInfo
 from medic.context import Context
 from medic.facts import HISTORY_WINDOW, facts_of
-from medic.incidents import Incident
+from medic.incidents import Incident, Storms
 from medic.policy import Decision, decide, guardrails
 from medic.policy.guardrails import HOUR, FleetState
 from medic.policy.model import DESTRUCTIVE, Policy
@@ -21,7 +21,10 @@ def load_incident(rt: Runtime, incident_id: str) -> Incident:
     record = rt.store.get_incident(incident_id)
     if record is None:
         raise LookupError(f"incident {incident_id} is not in the store")
-    incident = Incident(id=incident_id, node=record.node, events=rt.store.incident_events(incident_id))
+    events = rt.store.incident_events(incident_id)
+    incident = Incident(id=incident_id, node=record.node, events=events, scope=record.scope)  # type: ignore[arg-type]
+    if incident.scope == "switch":
+        return incident  # a switch has no remediation history of its own
     # History before this incident only: our own actions for it are not "repeat" evidence.
     since = utcnow() - HISTORY_WINDOW - timedelta(hours=1)
     incident.history = [
@@ -43,6 +46,15 @@ def record_diagnostic(rt: Runtime, incident_id: str, result: DiagnosticResult, n
             detail=f"{note}{result.detail}",
         )
     )
+
+
+def switch_sizes(nodes: list[NodeInfo]) -> Counter[str]:
+    return Counter(n.switch for n in nodes if n.switch)
+
+
+def storms(rt: Runtime) -> Storms:
+    """What makes one switch-wide incident now: the policy's switch conditions, the scheduler's switches."""
+    return rt.policy().policy.storms(switch_sizes(rt.backends.scheduler.nodes()))
 
 
 def fleet_state(rt: Runtime, policy: Policy, now: datetime, nodes: list[NodeInfo]) -> FleetState:
@@ -72,13 +84,16 @@ def evaluate(rt: Runtime, incident_id: str) -> Decision:
     nodes = rt.backends.scheduler.nodes()
     context = Context(
         rt.store.events_between(now - policy.lookback(), now),
-        switch_sizes=Counter(n.switch for n in nodes if n.switch),
+        switch_sizes=switch_sizes(nodes),
         fleet_size=len(nodes),
     )
-    out_of_service = rt.backends.scheduler.node(incident.node).drained_by_medic
+    switch_wide = incident.scope == "switch"
+    out_of_service = not switch_wide and rt.backends.scheduler.node(incident.node).drained_by_medic
     facts = facts_of(incident, out_of_service=out_of_service, now=now, context=context)
     state = fleet_state(rt, policy, now, nodes)
-    decision = guardrails.apply(policy.guardrails, state, incident.node, decide(policy, facts, loaded.sha256))
+    decision = guardrails.apply(
+        policy.guardrails, state, incident.node, decide(policy, facts, loaded.sha256), incident.scope
+    )
     if decision.guardrail == "circuit_breaker" and not state.breaker_open:
         rt.store.open_breaker(decision.reason, incident_id)
     rt.store.add_decision(decision, loaded.path)

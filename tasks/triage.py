@@ -6,6 +6,7 @@ from prefect import task
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
+from medic.incidents import Scope
 from medic.policy import Decision
 from tasks import prefect_events
 from tasks.evidence import evaluate, load_incident
@@ -15,7 +16,9 @@ from tasks.stage import stage
 
 class Triage(BaseModel):
     incident: str
-    node: str
+    node: str  # the switch's name for a switch-wide incident
+    nodes: list[str]
+    scope: Scope = "node"
     gpu: int | None
     jobs: list[str]
     owner: str | None
@@ -30,7 +33,13 @@ def triage(incident_id: str) -> Triage:
     with stage(rt.store, incident_id, "triage") as log:
         incident = load_incident(rt, incident_id)
         scheduler = rt.backends.scheduler
-        jobs = incident.jobs or [j.id for j in scheduler.jobs_on_node(incident.node)]
+        switch_wide = incident.scope == "switch"
+        # A switch incident's jobs are those its events name; a node's also those running on it.
+        jobs = (
+            incident.jobs
+            if incident.jobs or switch_wide
+            else [j.id for j in scheduler.jobs_on_node(incident.node)]
+        )
         owner = next((info.owner for j in jobs if (info := scheduler.job(j)) and info.owner), None)
         gpu = next((e.gpu for e in incident.events if e.gpu is not None), None)
         decision = evaluate(rt, incident_id)
@@ -47,8 +56,9 @@ def triage(incident_id: str) -> Triage:
             flow_run_id=str(flow_run.id) if flow_run.id else None,
             flow_run_name=flow_run.name,
         )
+        where = f"{len(incident.nodes)} nodes under switch {incident.node}" if switch_wide else incident.node
         log.done(
-            f"{len(incident.events)} events on {incident.node}; first answer {decision.action.value} "
+            f"{len(incident.events)} events on {where}; first answer {decision.action.value} "
             f"({decision.rule})",
             kinds=sorted({e.kind.value for e in incident.events}),
             jobs=jobs,
@@ -57,6 +67,8 @@ def triage(incident_id: str) -> Triage:
         return Triage(
             incident=incident_id,
             node=incident.node,
+            nodes=incident.nodes,
+            scope=incident.scope,
             gpu=gpu,
             jobs=jobs,
             owner=owner,

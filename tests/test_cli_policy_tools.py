@@ -109,38 +109,36 @@ def test_explain_prints_facts_every_rule_and_the_winner(tmp_path: Path) -> None:
 
 def test_explain_shows_the_cross_node_rule_and_the_guardrail(tmp_path: Path) -> None:
     policy = write(tmp_path / "p.yaml", EXPLAINED)
+
+    def bus_off(node: str, switch: str, minutes: int) -> dict[str, object]:
+        return {
+            "kind": "xid",
+            "node": node,
+            "gpu": 0,
+            "switch": switch,
+            "attributes": {"code": 79},
+            "minutes": minutes,
+        }
+
     events = write_events(
         tmp_path / "events.jsonl",
-        {"kind": "xid", "node": "n1", "gpu": 0, "switch": "leaf-1", "attributes": {"code": 79}},
-        {
-            "kind": "xid",
-            "node": "n2",
-            "gpu": 0,
-            "switch": "leaf-2",
-            "attributes": {"code": 79},
-            "minutes": 30,
-        },
-        {
-            "kind": "xid",
-            "node": "n3",
-            "gpu": 0,
-            "switch": "leaf-2",
-            "attributes": {"code": 79},
-            "minutes": 31,
-        },
+        bus_off("n1", "leaf-1", 0),
+        bus_off("n2", "leaf-3", 30),
+        bus_off("n3", "leaf-2", 31),
+        bus_off("n4", "leaf-2", 31),
     )
     result = runner.invoke(app, ["policy", "explain", str(policy), str(events), "--fleet-size", "8"])
     assert result.exit_code == 0, result.output
     out = result.stdout
-    # n1 is drained and stays out; n2 alone under leaf-2 would be the second node out.
-    n2 = out[out.index("on n2") : out.index("on n3")]
+    # n1 is drained and stays out; n2 alone under leaf-3 would be the second node out.
+    n2 = out[out.index("on n2") : out.index("on switch leaf-2")]
     assert "Decision: escalate (hardware) by rule bus-off." in n2
     assert "Guardrail max_out_of_service stopped drain." in n2
-    # n3 completes a two-node storm under leaf-2: the override wins and takes nothing out.
-    n3 = out[out.index("on n3") :]
-    assert rule_rows(n3)["storm"] == ["escalate", "yes", "2 nodes under leaf-2 report xid within 5 min"]
-    assert "Decision: escalate (infrastructure) by rule storm, told to network." in n3
-    assert "Guardrail" not in n3
+    # n3 and n4 are a two-node storm under leaf-2: one incident, the override wins, nothing taken out.
+    storm = out[out.index("on switch leaf-2 (2 nodes)") :]
+    assert rule_rows(storm)["storm"] == ["escalate", "yes", "2 nodes under leaf-2 report xid within 5 min"]
+    assert "Decision: escalate (infrastructure) by rule storm, told to network." in storm
+    assert "Guardrail" not in storm
 
 
 def test_explain_shows_dcgm_severity_and_category(tmp_path: Path) -> None:

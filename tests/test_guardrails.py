@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -12,7 +13,7 @@ from medic.config import REPO_ROOT
 from medic.events import FaultEvent
 from medic.policy import Action, Classification, Decision, load_policy
 from medic.policy.guardrails import FleetState, apply, breaker_trips, check, takes_node_out
-from medic.policy.model import CircuitBreaker, Guardrails
+from medic.policy.model import CircuitBreaker, Guardrails, Policy
 from medic.triage import triage
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
@@ -374,22 +375,40 @@ def timeout(node: str, minutes: float, switch: str = "leaf-1") -> FaultEvent:
 def test_a_switch_storm_is_the_networks(loaded) -> None:
     storm = [timeout(f"n{k}", 2) for k in range(1, 5)]
     lone = timeout("n9", 3, switch="leaf-2")
-    results = run(loaded, [*storm, lone], fleet_size=8)
-    assert [(node, summary(d), d.owner) for node, d in results] == [
-        *(
-            (f"n{k}", ("infrastructure", "escalate", None, "network-switch-storm", None), "network")
-            for k in range(1, 5)
+    results = list(triage([*storm, lone], loaded, fleet_size=8))
+    # One incident about the switch, not four about its nodes; the lone timeout stays its node's.
+    assert [(i.scope, i.node, i.nodes, summary(d), d.owner) for i, d in results] == [
+        (
+            "switch",
+            "leaf-1",
+            ["n1", "n2", "n3", "n4"],
+            ("infrastructure", "escalate", None, "network-switch-storm", None),
+            "network",
         ),
-        ("n9", ("unknown", "diagnose", 1, "lone-nccl-timeout", None), None),
+        ("node", "n9", ["n9"], ("unknown", "diagnose", 1, "lone-nccl-timeout", None), None),
     ]
 
 
-def test_a_storm_is_seen_from_the_incident_that_completes_it(loaded) -> None:
-    # Triage decides each incident when it ends, as the flows would: earlier nodes do not yet see it.
+def test_no_rule_can_act_on_nodes_of_a_switch_incident(loaded) -> None:
+    """Even a policy that asks to reboot on a storm gets an escalation: never 32 reboots."""
+    data = loaded.policy.model_dump(mode="json")
+    next(r for r in data["rules"] if r["id"] == "network-switch-storm")["then"]["action"] = "reboot"
+    unsafe = replace(loaded, policy=Policy.model_validate(data))
+    ((incident, decision),) = triage([timeout(f"n{k}", 2) for k in range(1, 6)], unsafe, fleet_size=8)
+    assert incident.scope == "switch"
+    assert (decision.action, decision.blocked_action, decision.guardrail) == (
+        Action.ESCALATE,
+        Action.REBOOT,
+        "switch_incident",
+    )
+
+
+def test_a_storm_spread_over_minutes_is_still_one_incident(loaded) -> None:
+    # Correlation sees the whole burst, so the first node to report is not decided on alone.
     spread = [timeout(f"n{k}", k) for k in range(1, 5)]
-    results = run(loaded, spread)
-    assert [d.rule for _, d in results] == ["lone-nccl-timeout"] * 3 + ["network-switch-storm"]
-    assert "4 nodes under leaf-1 report nccl_timeout within 5 min" in results[3][1].reason
+    ((switch, decision),) = run(loaded, spread)
+    assert (switch, decision.rule) == ("leaf-1", "network-switch-storm")
+    assert "4 nodes under leaf-1 report nccl_timeout within 5 min" in decision.reason
     # Four nodes over more than five minutes are no storm.
     slow = [timeout(f"n{k}", k * 2) for k in range(1, 5)]
     assert {d.rule for _, d in run(loaded, slow)} == {"lone-nccl-timeout"}

@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
-from medic.events import FaultEvent
-from medic.incidents import DEFAULT_WINDOW, Incident, correlate, incident_id
+from medic.config import REPO_ROOT
+from medic.events import EventKind, FaultEvent
+from medic.incidents import DEFAULT_WINDOW, Incident, StormRule, Storms, correlate, incident_id
+from medic.policy import load_policy
 from medic.policy.model import Defaults
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
@@ -233,3 +235,62 @@ def test_storm_with_gaps_splits_exactly_at_gaps_larger_than_the_window(window_mi
     events = [ev(f"e{n}", minutes) for n, minutes in enumerate(offsets)]
     expected = 1 + sum(1 for a, b in pairwise(offsets) if b - a > window_minutes)
     assert len(correlate(events, window)) == expected
+
+
+# --- Switch-wide storms -------------------------------------------------------------------------
+
+STORM = StormRule(frozenset({EventKind.NCCL_TIMEOUT}), timedelta(minutes=5), nodes_at_least=4)
+
+
+def timeout(event_id: str, node: str, minutes: float = 0, switch: str = "leaf-1") -> FaultEvent:
+    return ev(event_id, minutes, node=node, kind="nccl_timeout", switch=switch)
+
+
+def test_a_storm_under_one_switch_is_one_switch_incident() -> None:
+    storm = [timeout(f"t{k}-{n}", f"n{n}", k / 10) for k in range(5) for n in range(1, 9)]
+    bystander = ev("x1", 0.2, node="n1", switch="leaf-1")  # an XID is no storm's: n1 keeps its own
+    elsewhere = timeout("t-far", "m1", 0.1, switch="leaf-2")
+    incidents = correlate([*storm, bystander, elsewhere], WINDOW, Storms((STORM,)))
+    assert [(i.scope, i.node, len(i.events)) for i in incidents] == [
+        ("switch", "leaf-1", 40),
+        ("node", "m1", 1),
+        ("node", "n1", 1),
+    ]
+    switch = incidents[0]
+    assert switch.nodes == [f"n{n}" for n in range(1, 9)]
+    assert switch.subject == "switch leaf-1 (8 nodes)"
+    assert switch.id == incident_id("switch:leaf-1", min(e.id for e in storm if e.time == T0))
+
+
+def test_too_few_nodes_or_too_slow_is_no_storm() -> None:
+    few = [timeout(f"f{n}", f"n{n}", 0) for n in range(1, 4)]
+    slow = [timeout(f"s{n}", f"n{n}", n * 2) for n in range(1, 5)]  # 4 nodes, but over 6 minutes
+    for events in (few, slow):
+        incidents = correlate(events, WINDOW, Storms((STORM,)))
+        assert {i.scope for i in incidents} == {"node"} and len(incidents) == len(events)
+
+
+def test_a_fraction_of_the_switch_needs_its_size() -> None:
+    share = StormRule(frozenset({EventKind.NCCL_TIMEOUT}), timedelta(minutes=5), fraction_at_least=0.5)
+    two = [timeout("a", "n1"), timeout("b", "n2")]
+    assert len(correlate(two, WINDOW, Storms((share,), {"leaf-1": 4}))) == 1
+    assert len(correlate(two, WINDOW, Storms((share,), {"leaf-1": 8}))) == 2
+    assert len(correlate(two, WINDOW, Storms((share,)))) == 2  # size unknown: no fraction
+
+
+def test_storms_an_hour_apart_are_two_incidents() -> None:
+    first = [timeout(f"a{n}", f"n{n}", 0) for n in range(1, 5)]
+    second = [timeout(f"b{n}", f"n{n}", 60) for n in range(1, 5)]
+    incidents = correlate([*second, *first], WINDOW, Storms((STORM,)))
+    assert [(i.scope, [e.id for e in i.events]) for i in incidents] == [
+        ("switch", ["a1", "a2", "a3", "a4"]),
+        ("switch", ["b1", "b2", "b3", "b4"]),
+    ]
+
+
+def test_the_default_policy_defines_the_storm_it_decides_on() -> None:
+    policy = load_policy(REPO_ROOT / "policies" / "default.yaml").policy
+    storms = policy.storms({"leaf-1": 8})
+    assert storms.kinds == {EventKind.NCCL_TIMEOUT}
+    assert storms.is_storm("leaf-1", [timeout(f"d{n}", f"n{n}") for n in range(1, 5)])
+    assert not storms.is_storm("leaf-1", [timeout(f"d{n}", f"n{n}") for n in range(1, 4)])

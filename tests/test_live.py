@@ -3,6 +3,7 @@ joins the incident being handled; an Approve click in Slack resumes a real pause
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -20,14 +21,17 @@ from slack_api import SlackApi, running_slack_api
 from slack_sdk import WebClient
 
 from flows.live import LiveDispatcher
+from integrations.protocols import NodeState
+from integrations.registry import Backends
 from integrations.sim.fleet import SimFleet
 from integrations.slack.notifier import SlackNotifier
 from medic.config import REPO_ROOT
 from medic.events import FaultEvent
 from medic.server.app import create_app
 from medic.server.slack import SlackCallbacks
+from medic.store import Store
 from medic.store.tables import IncidentRecord
-from tasks.runtime import Runtime
+from tasks.runtime import Runtime, configure
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -44,8 +48,7 @@ def event(event_id: str, node: str, code: int = 79, **fields: Any) -> dict[str, 
         "kind": "xid",
         "node": node,
         "attributes": {"code": code},
-        **fields,
-    }
+    } | fields
 
 
 def until(check: Callable[[], Any], what: str, timeout_s: float = 90) -> Any:
@@ -104,6 +107,50 @@ def test_new_evidence_joins_the_incident_being_handled(runtime: Runtime) -> None
     runtime.store.record_accepted([later])
     assert dispatcher._correlate([later]) == []  # no second flow run
     assert [e.id for e in runtime.store.incident_events(incident.id)] == ["join-1", "join-2"]
+
+
+def test_a_switch_storm_is_one_incident_and_touches_no_node(
+    store: Store, sim_backends: Backends, fleet: SimFleet, tmp_path: Path
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        (REPO_ROOT / "policies" / "default.yaml")
+        .read_text()
+        .replace("defaults:", "defaults:\n  storm_hold_seconds: 1", 1)
+    )
+    rt = configure(Runtime(store, sim_backends, policy))
+    under_leaf_1 = [n.name for n in fleet.nodes.values() if n.switch == "leaf-1"]
+    storm = [
+        FaultEvent.model_validate(
+            event(f"storm-{k}-{node}", node, kind="nccl_timeout", attributes={}, switch="leaf-1", job="llm")
+        )
+        for k in range(5)
+        for node in under_leaf_1
+    ]
+    dispatcher = LiveDispatcher(rt)
+
+    async def arrive() -> None:
+        for batch in (storm[:3], storm[3:10], storm[10:]):  # the first node reports alone
+            store.record_accepted(batch)
+            await dispatcher(batch)
+        await dispatcher.drain()
+
+    asyncio.run(arrive())
+    (incident,) = store.find_incidents()
+    assert (incident.scope, incident.node, incident.status) == ("switch", "leaf-1", "escalated")
+    assert (incident.classification, incident.rule) == ("infrastructure", "network-switch-storm")
+    assert {e.id for e in store.incident_events(incident.id)} == {e.id for e in storm}
+    assert store.action_counts() == {}
+    assert all(n.state is NodeState.IDLE and n.boots == 0 for n in fleet.nodes.values())
+
+    # A straggler of the storm joins the switch's incident while it is being handled.
+    store.update_incident(incident.id, status="remediating")
+    late = FaultEvent.model_validate(
+        event("storm-late", under_leaf_1[0], kind="nccl_timeout", attributes={}, switch="leaf-1")
+    )
+    store.record_accepted([late])
+    assert dispatcher._correlate([late]) == []
+    assert store.incident_events(incident.id)[-1].id == "storm-late"
 
 
 def slack_click(message_blocks: list[dict[str, Any]], user_id: str, approve: bool) -> bytes:

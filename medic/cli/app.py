@@ -263,7 +263,7 @@ def policy_explain(
     _report_rejections(intake.rejected, intake.duplicates)
     for result in replay(intake.events, loaded, fleet_size):
         decision = result.decision
-        console.rule(f"{result.incident.id} on {result.incident.node}")
+        console.rule(f"{result.incident.id} on {result.incident.subject}")
         facts = Table.grid(padding=(0, 2))
         for name, value in describe(result.facts).items():
             facts.add_row(name, value)

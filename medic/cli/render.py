@@ -58,8 +58,12 @@ def incidents_table(rows: Iterable[IncidentRecord], title: str = "Incidents") ->
     return table
 
 
+def subject(incident: IncidentRecord) -> str:
+    return f"switch {incident.node}" if incident.scope == "switch" else incident.node
+
+
 def stages_table(detail: IncidentDetail) -> Table:
-    table = Table(title=f"{detail.incident.id} on {detail.incident.node}: stages", title_justify="left")
+    table = Table(title=f"{detail.incident.id} on {subject(detail.incident)}: stages", title_justify="left")
     for column in ("stage", "status", "seconds", "what happened"):
         table.add_column(column, overflow="fold")
     for s in detail.steps:
@@ -100,7 +104,7 @@ def incident_view(detail: IncidentDetail) -> Group:
     for a in detail.actions:
         actions.add_row(a.action, a.node, a.status, a.detail)
     return Group(
-        Panel(head, title=f"Incident {inc.id} on {inc.node}"),
+        Panel(head, title=f"Incident {inc.id} on {subject(inc)}"),
         events,
         decisions,
         actions,

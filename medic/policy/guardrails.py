@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from fnmatch import fnmatchcase
 
+from medic.incidents import Scope
 from medic.policy.model import DESTRUCTIVE, OUT_OF_SERVICE, Action, Decision, Guardrails
 
 HOUR = timedelta(hours=1)
@@ -58,11 +59,18 @@ def breaker_trips(guardrails: Guardrails, state: FleetState, node: str) -> str |
     return f"{len(recent)} nodes taken out within {breaker.window_minutes} min (limit {limit})"
 
 
-def check(guardrails: Guardrails, state: FleetState, node: str, decision: Decision) -> tuple[str, str] | None:
-    """The first guardrail the decision would break, as (name, why); None when all hold."""
+def check(
+    guardrails: Guardrails, state: FleetState, node: str, decision: Decision, scope: Scope = "node"
+) -> tuple[str, str] | None:
+    """The first guardrail the decision would break, as (name, why); None when all hold.
+
+    Built in, before the policy's own: an incident about a whole switch is never acted on node
+    by node, whatever a rule says (the trouble is the network's, not any one node's)."""
     out = takes_node_out(decision)
     if decision.action in (Action.NONE, Action.ESCALATE):
         return None
+    if scope == "switch":
+        return "switch_incident", f"{node} is a switch: no node action on a switch-wide incident"
     touched = out or decision.action is Action.REINTEGRATE
     if touched and any(fnmatchcase(node, pattern) for pattern in guardrails.never_touch):
         return "never_touch", f"{node} is on the never-touch list"
@@ -95,8 +103,10 @@ def check(guardrails: Guardrails, state: FleetState, node: str, decision: Decisi
     return None
 
 
-def apply(guardrails: Guardrails, state: FleetState, node: str, decision: Decision) -> Decision:
-    stopped = check(guardrails, state, node, decision)
+def apply(
+    guardrails: Guardrails, state: FleetState, node: str, decision: Decision, scope: Scope = "node"
+) -> Decision:
+    stopped = check(guardrails, state, node, decision, scope)
     if stopped is None:
         return decision
     name, why = stopped

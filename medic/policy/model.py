@@ -5,6 +5,7 @@ Unknown keys are errors everywhere, so a misspelt condition can never silently m
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 from enum import StrEnum
 from typing import Literal
@@ -22,6 +23,7 @@ from pydantic import (
 
 from medic.dcgm_errors import Severity
 from medic.events import EventKind
+from medic.incidents import StormRule, Storms
 
 
 class Action(StrEnum):
@@ -282,6 +284,13 @@ class Defaults(_Strict):
     action: Action = Action.NONE
     max_diagnose_level: int = Field(4, ge=1, le=4)
     verify_level: int = Field(1, ge=1, le=4, description="DCGM level run before a node returns.")
+    storm_hold_seconds: float = Field(
+        5,
+        ge=0,
+        le=300,
+        description="How long `medic serve` holds an event a `switch` condition counts before treating it "
+        "as one node's trouble: long enough for the neighbours under its switch to report.",
+    )
 
 
 class Policy(_Strict):
@@ -300,6 +309,17 @@ class Policy(_Strict):
         minutes = [c.within_minutes for r in self.rules for c in r.when.count or ()]
         minutes += [r.when.switch.within_minutes for r in self.rules if r.when.switch]
         return timedelta(minutes=max(minutes, default=60))
+
+    def storms(self, switch_sizes: Mapping[str, int] | None = None) -> Storms:
+        """What correlation makes one switch-wide incident: the events the rules' `switch` conditions count."""
+        rules = tuple(
+            StormRule(
+                frozenset(c.kinds), timedelta(minutes=c.within_minutes), c.nodes_at_least, c.fraction_at_least
+            )
+            for r in self.rules
+            if (c := r.when.switch) is not None
+        )
+        return Storms(rules, switch_sizes or {})
 
     @model_validator(mode="after")
     def _unique_ids(self) -> Policy:

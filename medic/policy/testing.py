@@ -27,7 +27,8 @@ class Expect(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     node: str | None = Field(
-        None, description="Check the latest incident on this node (default: the last one)."
+        None,
+        description="Check the latest incident about this node, or this switch (default: the last one).",
     )
     action: Action | None = None
     classification: Classification | None = None
@@ -94,7 +95,7 @@ def _events(test: PolicyTest, index: int) -> list[FaultEvent]:
 def run_test(loaded: LoadedPolicy, test: PolicyTest, index: int = 0) -> TestResult:
     results = list(triage(_events(test, index), loaded, test.fleet_size))
     expect = test.expect
-    chosen = [(i, d) for i, d in results if expect.node is None or i.node == expect.node]
+    chosen = [(i, d) for i, d in results if expect.node is None or expect.node in (i.node, *i.nodes)]
     if not chosen:
         return TestResult(test.name, False, (f"no incident on node {expect.node}",), "-")
     _, decision = chosen[-1]

@@ -225,6 +225,7 @@ class Store:
                 row = IncidentRecord(
                     id=incident.id,
                     node=incident.node,
+                    scope=incident.scope,
                     switch=incident.switch,
                     opened_at=incident.opened_at,
                     last_event_at=incident.last_at,
@@ -250,11 +251,14 @@ class Store:
             s.commit()
             return row
 
-    def find_active_incident(self, node: str, statuses: Iterable[str]) -> IncidentRecord | None:
-        """The node's newest incident still in one of these states."""
+    def find_active_incident(
+        self, node: str, statuses: Iterable[str], scope: str = "node"
+    ) -> IncidentRecord | None:
+        """The node's (or with scope "switch", the switch's) newest incident still in one of these states."""
         query = (
             select(IncidentRecord)
             .where(IncidentRecord.node == node)
+            .where(IncidentRecord.scope == scope)
             .where(col(IncidentRecord.status).in_(list(statuses)))
             .order_by(col(IncidentRecord.opened_at).desc())
         )

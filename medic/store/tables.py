@@ -54,7 +54,8 @@ class IncidentRecord(SQLModel, table=True):
     __tablename__ = "incidents"
 
     id: str = Field(primary_key=True)
-    node: str = Field(index=True)
+    node: str = Field(index=True)  # the switch's name when scope is "switch"
+    scope: str = Field(default="node")  # node | switch
     switch: str | None = None
     opened_at: datetime = _time(index=True)
     last_event_at: datetime = _time()
