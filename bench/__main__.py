@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench import agent, flow_overhead, ingest, policy, report, triage
+from bench import agent, flow_overhead, ingest, live, policy, report, triage
 from medic.config import REPO_ROOT
 
 COMMAND = ".venv/bin/python -m bench"
@@ -17,6 +17,7 @@ BENCHMARKS: list[tuple[str, Callable[[], dict[str, Any]], Callable[[dict[str, An
     ("medic triage", triage.run, triage.section),
     ("flow overhead", flow_overhead.run, flow_overhead.section),
     ("http ingest", ingest.run, ingest.section),
+    ("live path", live.run, live.section),
     ("node agent", agent.run, agent.section),
 ]
 

@@ -1,7 +1,8 @@
 """The warm path: events `medic serve` has stored become incidents and flow runs in this process.
 
-A new event joins its node's incident (or its switch's, for a switch-wide storm) while that
-incident is still being handled and the event falls within the policy's window, so the running
+A new event joins its node's incident while that incident is still being handled (its
+switch's, for a switch-wide storm, even once handled) and the event falls within the
+policy's window, so the running
 flow sees the new evidence at its next decision instead of a second flow run starting.
 Everything else is correlated into new incidents, each remediated by its own flow run on a
 worker thread (flows run sync tasks; the service's event loop must stay free to acknowledge
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
 from datetime import datetime, timedelta
@@ -43,10 +45,17 @@ class LiveDispatcher:
         self._tasks: set[asyncio.Task[None]] = set()
         self._held: dict[str, list[FaultEvent]] = {}
         self._correlating = asyncio.Lock()
+        self._warming: threading.Thread | None = None
 
     async def warm_up(self) -> None:
         """Start Prefect's API (embedded or remote) before the first fault needs it."""
         await ensure_limits()
+
+    def warm_up_in_background(self) -> None:
+        """Warm up on a thread of its own (the embedded API takes seconds to start); flow runs
+        wait for it, since one started before the API answers fails to reach it."""
+        self._warming = threading.Thread(target=lambda: asyncio.run(self.warm_up()), daemon=True)
+        self._warming.start()
 
     async def __call__(self, events: list[FaultEvent]) -> None:
         policy = self.rt.policy().policy
@@ -60,6 +69,8 @@ class LiveDispatcher:
 
     async def start(self, incident: Incident) -> None:
         """Remediate one new incident: here, a flow run in this process."""
+        if self._warming is not None:
+            await anyio.to_thread.run_sync(self._warming.join)
         try:
             await anyio.to_thread.run_sync(_run_flow, self.rt, incident, limiter=self._limiter)
         except Exception:  # one incident's failure must not stop the service
@@ -94,8 +105,11 @@ class LiveDispatcher:
             self._spawn(lambda incident=incident: self.start(incident))
 
     def _correlate(self, events: list[FaultEvent]) -> list[Incident]:
-        window = timedelta(minutes=self.rt.policy().policy.defaults.incident_window_minutes)
-        current = storms(self.rt)
+        policy = self.rt.policy().policy
+        window = timedelta(minutes=policy.defaults.incident_window_minutes)
+        current = policy.storms()
+        if any(current.counts(e) for e in events):
+            current = storms(self.rt)  # the scheduler's switch sizes, asked only when they matter
         fresh = self._join_active(events, window, current)
         incidents = correlate(fresh, window, current)
         self.rt.store.attach_events(incidents)
@@ -124,7 +138,11 @@ class LiveDispatcher:
         return fresh
 
     def _active(self, subject: str, scope: Scope) -> IncidentRecord | None:
-        return self.rt.store.find_active_incident(subject, ACTIVE, scope)
+        # A node's closed incident means the node was dealt with: its next fault is new trouble.
+        # A switch's storm goes on after its incident is handed to the network team; until it
+        # has been quiet for a window, more of it is more evidence, not a second incident.
+        statuses = ACTIVE if scope == "node" else (*ACTIVE, "closed", "escalated")
+        return self.rt.store.find_active_incident(subject, statuses, scope)
 
 
 def _within(events: list[FaultEvent], last: datetime, window: timedelta) -> list[FaultEvent]:

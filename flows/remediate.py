@@ -152,20 +152,31 @@ def _evidence(incident_id: str) -> str:
 
 
 class _Thread:
-    """The incident's chat thread: opened once, then one reply per step. Never raises."""
+    """The incident's chat thread: one head message, then one reply per step. Never raises.
 
-    def __init__(self, incident_id: str, ref: str | None) -> None:
-        self.incident_id, self.ref, self.ok = incident_id, ref, ref is not None
+    The head goes out when something first needs the thread, not at the start: on the plain
+    path that is after the node action, so a slow chat API never delays taking a bad node out.
+    """
 
-    @classmethod
-    async def open(cls, incident_id: str, head: Message) -> _Thread:
-        state: State[str] = notify(head, return_state=True)
+    def __init__(self, incident_id: str, head: Message) -> None:
+        self.incident_id, self.head = incident_id, head
+        self.ref: str | None = None
+        self.opened = False
+        self.ok = True
+
+    async def open(self) -> None:
+        if self.opened:
+            return
+        self.opened = True
+        state: State[str] = notify(self.head, return_state=True)
         if state.is_completed():
-            return cls(incident_id, await state.result())
+            self.ref = await state.result()
+            return
+        self.ok = False
         get_run_logger().error("notification failed, remediation goes on: %s", state.message)
-        return cls(incident_id, None)
 
-    def say(self, text: str) -> None:
+    async def say(self, text: str) -> None:
+        await self.open()
         if self.ref is None:
             return
         if not update(self.incident_id, self.ref, text, return_state=True).is_completed():
@@ -179,14 +190,13 @@ async def remediate(incident_id: str, node: str) -> Outcome:
     await ensure_limits()
     triaged = triage(incident_id)
     decision, seen = triaged.decision, []
-    thread = await _Thread.open(
-        incident_id, _message(triaged, decision, f"Evidence: {_evidence(incident_id)}")
-    )
+    thread = _Thread(incident_id, _message(triaged, decision, f"Evidence: {_evidence(incident_id)}"))
     if decision.action is Action.DIAGNOSE:
+        await thread.open()  # a ladder can take an hour: people hear of the fault first
         ladder = await diagnose_ladder(incident_id, node, decision)
         decision, seen = ladder.decision, ladder.seen
         for result in seen:
-            thread.say(f"DCGM {result}")
+            await thread.say(f"DCGM {result}")
     if not seen:
         decision = decide_incident(incident_id)
     elif decision.action is Action.DIAGNOSE:
@@ -194,6 +204,7 @@ async def remediate(incident_id: str, node: str) -> Outcome:
             update={"action": Action.ESCALATE, "reason": decision.reason + "; ladder exhausted"}
         )
     if decision.approve and decision.action not in (Action.NONE, Action.ESCALATE):
+        await thread.open()
         with stage(current().store, incident_id, "approval") as log:
             answer = await await_approval(triaged, decision)
             log.done(answer.detail)
@@ -205,8 +216,6 @@ async def remediate(incident_id: str, node: str) -> Outcome:
                     "reason": f"{decision.reason}; {answer.detail}",
                 }
             )
-    await _tag_run(triaged, decision)
-
     state: State[ActOutcome] = act(incident_id, node, triaged.gpu, decision, return_state=True)
     if state.is_completed():
         acted = await state.result()
@@ -215,7 +224,10 @@ async def remediate(incident_id: str, node: str) -> Outcome:
         acted = ActOutcome(
             action=decision.action, status="escalated", detail=f"action failed: {state.message}"
         )
-    thread.say(f"Decision: {decision.action.value} (rule `{decision.rule}`) — {acted.status}: {acted.detail}")
+    await thread.say(
+        f"Decision: {decision.action.value} (rule `{decision.rule}`) — {acted.status}: {acted.detail}"
+    )
+    await _tag_run(triaged, decision)
 
     resumed = None
     if acted.took_node_out:
@@ -223,17 +235,17 @@ async def remediate(incident_id: str, node: str) -> Outcome:
             job_state: State[ResumeOutcome] = resume_job(incident_id, job, [node], return_state=True)
             if job_state.is_completed():
                 resumed = await job_state.result()
-                thread.say(resumed.describe().capitalize())
+                await thread.say(resumed.describe().capitalize())
             else:
                 logger.error("job %s did not resume: %s", job, job_state.message)
 
     verified = None
     if acted.status == "done" and decision.action in DESTRUCTIVE:
         verified = verify(incident_id, node, current().policy().policy.defaults.verify_level)
-        thread.say(verified.detail)
+        await thread.say(verified.detail)
 
     summary = _summary(decision, acted, resumed, verified)
-    thread.say(f"Closed: {summary}")
+    await thread.say(f"Closed: {summary}")
 
     close(incident_id, summary, status=closing_status(acted, verified))
     detail = current().store.incident_detail(incident_id)

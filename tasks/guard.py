@@ -4,16 +4,26 @@ Each flow run decides with the fleet as it saw it a moment ago; two runs could b
 for one more node out of service and both take one. So the last check and the action happen
 under one Prefect global concurrency slot (strict: a missing limit is an error, never a silent
 "unlimited"), with the fleet state read again inside it.
+
+The slot is taken with Prefect's lease API directly rather than `prefect.concurrency`: on the
+embedded (SQLite) server an acquisition that meets a concurrent write is answered 503, and
+Prefect's client waits a fixed 2 s before trying again. That wait sat between a fault and its
+drain; here a busy answer is retried after milliseconds. A holder that dies frees the slot
+when its lease runs out.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from uuid import UUID
 
-from prefect.client.orchestration import get_client
-from prefect.concurrency.sync import concurrency
+import httpx
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from medic.policy import Decision, guardrails
 from medic.store import utcnow
@@ -21,6 +31,9 @@ from tasks.evidence import fleet_state
 from tasks.runtime import Runtime
 
 NODE_ACTIONS_LIMIT = "medic-node-actions"
+LEASE_SECONDS = 300.0  # far longer than a check and a provider call; a dead holder's slot frees after it
+WAIT_SECONDS = 600.0
+BUSY = (423, 503)  # 423: another run holds the slot; 503: the server's database was busy
 _ensured: set[str] = set()
 
 
@@ -46,5 +59,55 @@ def guarded(rt: Runtime, node: str, decision: Decision) -> Iterator[tuple[str, s
     if flow_run.id is None:  # called directly (tests, benchmarks): one process, nothing to race
         yield recheck()
         return
-    with concurrency(NODE_ACTIONS_LIMIT, occupy=1, strict=True, timeout_seconds=600):
+    with node_actions_slot(UUID(flow_run.id)):
         yield recheck()
+
+
+class SlotUnavailable(RuntimeError):
+    pass
+
+
+@contextmanager
+def node_actions_slot(holder: UUID, wait_seconds: float = WAIT_SECONDS) -> Iterator[None]:
+    """Hold the one `medic-node-actions` slot, as flow run `holder`."""
+    with get_client(sync_client=True) as client:
+        lease = _acquire(client, holder, time.monotonic() + wait_seconds)
+        try:
+            yield
+        finally:
+            client.release_concurrency_slots_with_lease(lease)
+
+
+def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
+    pause = 0.02
+    while True:
+        try:
+            # This request only: its own retries wait seconds; the loop below waits milliseconds.
+            with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}):
+                response = client.increment_concurrency_slots_with_lease(
+                    [NODE_ACTIONS_LIMIT],
+                    1,
+                    "concurrency",
+                    LEASE_SECONDS,
+                    ConcurrencyLeaseHolder(type="flow_run", id=holder),
+                )
+            break
+        except httpx.HTTPStatusError as error:
+            if error.response.status_code not in BUSY:
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SlotUnavailable(f"no {NODE_ACTIONS_LIMIT} slot within the wait") from error
+            time.sleep(min(_retry_after(error.response, pause), left))
+            pause = min(pause * 2, 1.0)
+    body = response.json()
+    if not body.get("limits"):  # strict: a deleted limit must stop actions, not unleash them
+        raise SlotUnavailable(f"the global concurrency limit {NODE_ACTIONS_LIMIT} does not exist")
+    return UUID(body["lease_id"])
+
+
+def _retry_after(response: httpx.Response, default: float) -> float:
+    try:
+        return float(response.headers["Retry-After"])
+    except (KeyError, ValueError):
+        return default

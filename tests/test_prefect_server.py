@@ -150,5 +150,5 @@ def test_ingest_against_prefect_server_on_postgres(
         names = asyncio.run(task_runs())
     # No job ran on the node, so there is no "resume job" stage.
     assert names == sorted(
-        ["triage", "notify", "decide", "act", "update", "verify", "update", "update", "close"]
+        ["triage", "decide", "act", "notify", "update", "verify", "update", "update", "close"]
     )

@@ -1,0 +1,349 @@
+"""The live path end to end: `medic serve` with the warm path, over real HTTP.
+
+Two scenarios, each against its own server process (the ingest app under uvicorn with the
+warm-path `LiveDispatcher`, as `medic serve` runs it; a SQLite store; Prefect in embedded mode
+with its own temporary home; a simulated fleet):
+
+- latency: XID 79 faults, each on its own node, posted one every SPACING_S seconds after a
+  warm-up fault. Measured per fault: from just before the POST to the drain's intent in the
+  store (the first node action) and to the incident's close. The policy is the default
+  without its guardrails: dozens of reboots in a minute are a storm the breaker (rightly)
+  stops, and this measures the path, not the guardrails.
+- storm: STORM_EVENTS `nccl_timeout` events from all 32 nodes under one leaf switch, posted in
+  batches over STORM_SECONDS, with the default policy, guardrails on. Counted afterwards:
+  incidents, events stored and attached, node actions; timed: from the first POST to the
+  incident's first decision.
+
+`python -m bench.live` prints the markdown section.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.flow_overhead import _policy_without_guardrails
+from bench.ingest import _free_port, _wait_ready, percentile
+from bench.report import ms, num, table
+from medic.config import REPO_ROOT
+
+TOKEN = "bench-token"
+POSTGRES_ADMIN_URL = os.environ.get(
+    "MEDIC_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+FAULTS = 40
+SPACING_S = 1.0
+STORM_EVENTS = 1000
+STORM_SECONDS = 10.0
+STORM_BATCHES = 50
+SWITCH_NODES = 32
+
+
+def serve(port: int, nodes: int, per_switch: int, policy: Path) -> None:
+    """The server process: `medic serve`'s warm path with a simulated fleet of this shape."""
+    from flows.live import LiveDispatcher
+    from integrations import registry
+    from integrations.sim.fleet import SimFleet
+    from medic.server.main import serve as run_server
+    from medic.store import Store
+    from tasks.runtime import Runtime, configure
+
+    backends, _ = registry.simulated(SimFleet.build(nodes=nodes, per_switch=per_switch))
+    rt = configure(Runtime(Store(os.environ["MEDIC_DATABASE_URL"]), backends, policy))
+    dispatcher = LiveDispatcher(rt)
+    dispatcher.warm_up_in_background()
+    run_server(port=port, on_accepted=dispatcher, log_level="warning", access_log=False)
+
+
+class _Server:
+    def __init__(
+        self, directory: Path, nodes: int, per_switch: int, policy: Path, prefect_api: str | None = None
+    ) -> None:
+        self.database = f"sqlite:///{directory / 'medic.db'}"
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        env = {
+            **os.environ,
+            "MEDIC_DATABASE_URL": self.database,
+            "MEDIC_INGEST_TOKENS": TOKEN,
+            "MEDIC_HOME": str(directory / "home"),
+            "PREFECT_HOME": str(directory / "prefect"),
+            "PREFECT_LOGGING_LEVEL": "ERROR",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        }
+        env.pop("PREFECT_API_URL", None)
+        if prefect_api:
+            env["PREFECT_API_URL"] = prefect_api
+        args = [self.url.rsplit(":", 1)[1], str(nodes), str(per_switch), str(policy)]
+        self.log = directory / "server.log"
+        with self.log.open("wb") as output:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "bench.live", "serve", *args],
+                env=env,
+                cwd=REPO_ROOT,
+                stdout=output,
+                stderr=output,
+            )
+        self.client = httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
+        )
+
+    def __enter__(self) -> _Server:
+        _wait_ready(self.url, self.process, timeout_s=120)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.client.close()
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+    def post(self, events: list[dict[str, Any]]) -> None:
+        response = self.client.post("/v1/events", json=events)
+        if response.status_code != 200 or response.json()["accepted"] != len(events):
+            raise RuntimeError(f"POST answered {response.status_code}: {response.text}")
+
+    def until(self, check: Callable[[], Any], what: str, timeout_s: float = 120) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while not (found := check()):
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise RuntimeError(f"no {what}: {self.log.read_text(errors='replace')[-3000:]}")
+            time.sleep(0.05)
+        return found
+
+
+@contextmanager
+def prefect_on_postgres(directory: Path) -> Iterator[str]:
+    """A real `prefect server` on a fresh PostgreSQL database (production's setup); yields its API URL."""
+    from sqlalchemy import create_engine, text
+
+    database = f"medic_bench_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{database}"'))
+    base = POSTGRES_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql+psycopg", "postgresql+asyncpg")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(directory / "prefect-server"),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"{base}/{database}",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",
+    }
+    log = directory / "prefect-server.log"
+    with log.open("wb") as output:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env=env,
+            stdout=output,
+            stderr=output,
+        )
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 120
+        while not _answers(f"{api}/health"):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server did not start: {log.read_text(errors='replace')[-2000:]}")
+            time.sleep(0.5)
+        yield api
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _event(event_id: str, kind: str, node: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "id": event_id,
+        "time": datetime.now(UTC).isoformat(),
+        "source": "bench",
+        "kind": kind,
+        "node": node,
+    } | fields
+
+
+def _epoch(at: datetime) -> float:
+    return (at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp()
+
+
+def _warm_up(server: _Server, store: Any, node: str) -> None:
+    """One fault handled end to end first: the service has been up a while in practice."""
+    server.post([_event(f"warm-up-{node}", "xid", node, gpu=3, attributes={"code": 79})])
+    server.until(lambda: any(i.closed_at for i in store.find_incidents(node=node)), "warm-up incident closed")
+
+
+def _latency(directory: Path, prefect_api: str | None) -> dict[str, Any]:
+    from medic.store import Store
+
+    policy = _policy_without_guardrails(directory)
+    with _Server(directory, FAULTS + 8, 8, policy, prefect_api) as server:
+        store = Store(server.database)
+        _warm_up(server, store, f"gpu-node-{FAULTS + 1}")
+        posted: dict[str, float] = {}
+        for i in range(1, FAULTS + 1):
+            node = f"gpu-node-{i}"
+            posted[node] = time.time()
+            server.post([_event(f"fault-{i}", "xid", node, gpu=3, attributes={"code": 79})])
+            time.sleep(SPACING_S)
+        for node in posted:
+            server.until(lambda node=node: any(i.closed_at for i in store.find_incidents(node=node)), "close")
+        since = datetime(2000, 1, 1, tzinfo=UTC)
+        drains = {a.node: _epoch(a.intent_at) for a in store.actions_since(since, ["drain"])}
+        to_close = {i.node: _epoch(i.closed_at) for i in store.find_incidents() if i.closed_at}
+        store.close()
+    missing = sorted(set(posted) - set(drains))
+    if missing:
+        raise RuntimeError(f"no drain recorded for {missing}")
+    return {
+        "to_drain": [drains[n] - at for n, at in posted.items()],
+        "to_close": [to_close[n] - at for n, at in posted.items()],
+    }
+
+
+def _storm(directory: Path) -> dict[str, Any]:
+    from medic.store import Store
+    from medic.store.tables import EventRecord
+
+    policy = REPO_ROOT / "policies" / "default.yaml"
+    with _Server(directory, nodes=2 * SWITCH_NODES, per_switch=SWITCH_NODES, policy=policy) as server:
+        store = Store(server.database)
+        warm_up = f"gpu-node-{SWITCH_NODES + 1}"  # under leaf-2
+        _warm_up(server, store, warm_up)
+        under = [f"gpu-node-{n}" for n in range(1, SWITCH_NODES + 1)]  # leaf-1
+        shuffled = random.Random(7)
+        nodes = [under[i % SWITCH_NODES] for i in range(STORM_EVENTS)]
+        shuffled.shuffle(nodes)
+        events = [
+            _event(f"storm-{i}", "nccl_timeout", node, switch="leaf-1", job="llm-70b", rank=i % 256)
+            for i, node in enumerate(nodes)
+        ]
+        size = STORM_EVENTS // STORM_BATCHES
+        started = time.time()
+        for b in range(STORM_BATCHES):
+            server.post(events[b * size : (b + 1) * size])
+            time.sleep(max(0.0, started + (b + 1) * STORM_SECONDS / STORM_BATCHES - time.time()))
+        posting_s = time.time() - started
+        server.until(lambda: not store.undispatched_events(), "every event in an incident", timeout_s=60)
+
+        def storm_incidents() -> list[Any]:
+            found = [i for i in store.find_incidents() if i.node != warm_up]
+            return found if found and all(i.closed_at for i in found) else []
+
+        incidents = server.until(storm_incidents, "closed storm incidents")
+        decided = min(_epoch(d.decided_at) for i in incidents for d in store.incident_detail(i.id).decisions)
+        result = {
+            "events": STORM_EVENTS,
+            "nodes": SWITCH_NODES,
+            "posting_s": posting_s,
+            "stored": store.count(EventRecord) - 1,  # the warm-up fault
+            "incidents": [
+                {
+                    "scope": i.scope,
+                    "subject": i.node,
+                    "events": len(store.incident_events(i.id)),
+                    "action": i.action,
+                    "rule": i.rule,
+                    "status": i.status,
+                }
+                for i in incidents
+            ],
+            "node_actions": sum(
+                len(store.node_actions(node, datetime(2000, 1, 1, tzinfo=UTC))) for node in under
+            ),
+            "to_decision_s": decided - started,
+        }
+        store.close()
+    return result
+
+
+def run() -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="medic-bench-live-") as tmp:
+        embedded = _latency(Path(tmp), None)
+    with (
+        tempfile.TemporaryDirectory(prefix="medic-bench-live-pg-") as tmp,
+        prefect_on_postgres(Path(tmp)) as api,
+    ):
+        on_postgres = _latency(Path(tmp), api)
+    with tempfile.TemporaryDirectory(prefix="medic-bench-storm-") as tmp:
+        storm = _storm(Path(tmp))
+    return {"embedded": embedded, "postgres": on_postgres, "storm": storm}
+
+
+def section(r: dict[str, Any]) -> str:
+    storm = r["storm"]
+    setups = (("Prefect embedded (SQLite)", r["embedded"]), ("Prefect server on PostgreSQL", r["postgres"]))
+    rows = [
+        [name, *(ms(percentile(lat["to_drain"], q)) for q in (0.5, 0.99)), ms(max(lat["to_drain"]))]
+        + [ms(percentile(lat["to_close"], q)) for q in (0.5, 0.99)]
+        for name, lat in setups
+    ]
+    (incident,) = storm["incidents"] if len(storm["incidents"]) == 1 else (None,)
+    storm_rows = [
+        [
+            "events posted / stored",
+            f"{storm['events']:,} in {num(storm['posting_s'])} s / {storm['stored']:,}",
+        ],
+        ["incidents", str(len(storm["incidents"]))],
+        [
+            "the incident",
+            f"{incident['scope']} {incident['subject']}, {incident['events']:,} events, {incident['action']} "
+            f"by {incident['rule']}, {incident['status']}"
+            if incident
+            else json.dumps(storm["incidents"]),
+        ],
+        ["node actions", str(storm["node_actions"])],
+        ["first POST → decision", f"{num(storm['to_decision_s'])} s"],
+    ]
+    return "\n".join(
+        [
+            "## The live path (`medic serve`, warm path)",
+            "",
+            "A real uvicorn server with the in-process dispatcher, as `medic serve` runs it (its own process, "
+            "SQLite store, simulated fleet), after one warm-up fault. "
+            f"{FAULTS} XID 79 faults, each on its own node, one every {SPACING_S:g} s; timed from just before each "
+            "POST to the drain's intent in the store (the first node action) and to the incident's close (drain, "
+            "reboot, job resume, DCGM L1 verify, reintegrate, notify). Default policy without guardrails. Twice: "
+            "with Prefect's embedded server (`medic demo`'s setup) and with a real `prefect server` on PostgreSQL "
+            "(production's).",
+            "",
+            table(
+                ["Prefect API", "→ drain p50", "→ drain p99", "→ drain max", "→ closed p50", "→ closed p99"],
+                rows,
+            ),
+            "",
+            f"Storm: {storm['events']:,} `nccl_timeout` events from all {storm['nodes']} nodes under one leaf switch, "
+            f"in {STORM_BATCHES} batches over {STORM_SECONDS:g} s, after a warm-up fault under another switch; "
+            "default policy with its guardrails (`storm_hold_seconds` 5), Prefect embedded.",
+            "",
+            table(["measure", "value"], storm_rows),
+            "",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        port, nodes, per_switch, policy = sys.argv[2:6]
+        serve(int(port), int(nodes), int(per_switch), Path(policy))
+    else:
+        print(section(run()))
