@@ -27,10 +27,11 @@ from typer.testing import CliRunner
 
 from medic.events import FaultEvent
 from medic.incidents import Incident
+from medic.policy import Decision
 from medic.server.app import create_app
 from medic.server.auth import sign
 from medic.server.emit import parse_attribute
-from medic.store import Store
+from medic.store import Store, utcnow
 from medic.store.tables import EventRecord, RejectedRecord
 
 TOKEN = "s3cret-token"
@@ -527,6 +528,43 @@ def test_ping_and_the_counts_for_metrics(store: Store) -> None:
     store.claim_action("k", "inc-1", "gpu-017", "reboot")
     assert store.open_incident_count() == 1
     assert store.action_counts() == {("reboot", "intent"): 1}
+
+
+def test_decision_delays_run_from_first_arrival_to_first_decision(store: Store) -> None:
+    decided = Incident("inc-d", "gpu-017", [fault("d1"), fault("d2", 1)])
+    store.record_events([decided], received_at=utcnow() - timedelta(seconds=3))
+    store.open_incident(decided)
+    pending = Incident("inc-p", "gpu-018", [fault("p1")])
+    store.record_events([pending])
+    store.open_incident(pending)  # no decision yet: not counted
+    for rule in ("first", "second"):
+        store.add_decision(
+            Decision(incident="inc-d", classification="hardware", action="reboot", rule=rule, reason="-"),
+            "p.yaml",
+        )
+    ((delay),) = store.decision_delays()
+    assert 3 <= delay < 60
+
+
+@pytest.mark.anyio
+async def test_metrics_histogram_of_decision_delays(sqlite_store: Store) -> None:
+    slow = Incident("inc-slow", "gpu-001", [fault("s1")])
+    sqlite_store.record_events([slow], received_at=utcnow() - timedelta(seconds=40))
+    sqlite_store.open_incident(slow)
+    sqlite_store.add_decision(
+        Decision(incident="inc-slow", classification="hardware", action="drain", rule="r", reason="-"),
+        "p.yaml",
+    )
+    async with serving(make_app(sqlite_store)) as client:
+        values = samples((await client.get("/metrics")).text)
+    buckets = {
+        dict(labels)["le"]: v
+        for (name, labels), v in values.items()
+        if name == "medic_decision_seconds_bucket"
+    }
+    assert (buckets["30.0"], buckets["60.0"], buckets["+Inf"]) == (0, 1, 1)
+    assert values[("medic_decision_seconds_count", ())] == 1
+    assert 40 <= values[("medic_decision_seconds_sum", ())] < 100
 
 
 # --- a real server process: kill -9 after the reply, `medic emit` ------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from medic.store import Store
@@ -26,6 +26,7 @@ class StoreCollector(Collector):
         try:
             open_incidents = self.store.open_incident_count()
             action_counts = self.store.action_counts()
+            delays = self.store.decision_delays()
         except Exception:  # a scrape while the database is down must still show the ingest counters
             up.add_metric([], 0)
             yield up
@@ -34,7 +35,7 @@ class StoreCollector(Collector):
         incidents.add_metric([], open_incidents)
         for (action, status), count in sorted(action_counts.items()):
             actions.add_metric([action, status], count)
-        yield from (up, incidents, actions)
+        yield from (up, incidents, actions, _decision_histogram(delays))
 
     @staticmethod
     def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
@@ -45,6 +46,21 @@ class StoreCollector(Collector):
                 "medic_actions", "Node actions recorded in the store.", labels=["action", "status"]
             ),
         )
+
+
+# From sub-second (the warm path) to the half hour a DCGM level 3 may take before a decision.
+DECISION_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
+
+
+def _decision_histogram(delays: list[float]) -> HistogramMetricFamily:
+    buckets = [(str(bound), sum(1 for d in delays if d <= bound)) for bound in DECISION_BUCKETS]
+    buckets.append(("+Inf", len(delays)))
+    family = HistogramMetricFamily(
+        "medic_decision_seconds",
+        "Per incident, from its first event's arrival to its first policy decision (from the store).",
+    )
+    family.add_metric([], buckets, sum(delays))
+    return family
 
 
 class IngestMetrics:
