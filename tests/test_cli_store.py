@@ -22,6 +22,7 @@ POLICY_SHA = "0123456789abcdef" * 4
 INCIDENT_KEYS = {
     "id",
     "node",
+    "scope",
     "switch",
     "opened_at",
     "last_event_at",
@@ -126,7 +127,7 @@ def test_json_rows(seeded: Seeded) -> None:
     rows = {row["id"]: row for row in listed()}
     assert all(set(row) == INCIDENT_KEYS for row in rows.values())  # as listed in docs/cli.md
     bus = rows[seeded.bus.id]
-    assert bus["node"] == "gpu-001"
+    assert (bus["node"], bus["scope"]) == ("gpu-001", "node")
     assert bus["status"] == "closed"
     assert (bus["classification"], bus["action"], bus["rule"]) == ("hardware", "reboot", "xid-fallen-off-bus")
     assert bus["jobs"] == ["j-1"] and bus["owner"] == "alice"
