@@ -577,9 +577,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def server_process(database: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
+def server_process(
+    database: Path, port: int, extra_env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """`medic serve` (the CLI function under typer) in its own process."""
     env = os.environ | {"MEDIC_DATABASE_URL": f"sqlite:///{database}", "MEDIC_INGEST_TOKENS": TOKEN}
+    env |= extra_env or {}
     code = "import typer; from medic.cli.serve import serve; typer.run(serve)"
     process = subprocess.Popen(
         [sys.executable, "-c", code, "--port", str(port), "--log-level", "warning"],
@@ -626,6 +629,34 @@ def test_acknowledged_events_survive_kill_9_and_a_restart(tmp_path: Path) -> Non
     store = Store(f"sqlite:///{database}")
     assert stored_ids(store) == acknowledged | {"after-restart"}
     store.close()
+
+
+def children(pid: int) -> set[int]:
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def test_sigterm_stops_the_service_and_its_embedded_prefect_server(tmp_path: Path) -> None:
+    home = {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": ""}
+    with server_process(tmp_path / "medic.db", free_port(), home) as process:
+        deadline = time.monotonic() + 90
+        while not (embedded := children(process.pid)):  # the warm-up starts it in the background
+            assert time.monotonic() < deadline, "the embedded Prefect server never started"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM  # a clean exit, atexit hooks run
+    deadline = time.monotonic() + 30
+    while alive := {pid for pid in embedded if Path(f"/proc/{pid}").exists()}:
+        assert time.monotonic() < deadline, f"the embedded Prefect server outlived medic serve: {alive}"
+        time.sleep(0.2)
 
 
 def cli() -> typer.Typer:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Mapping
+from types import FrameType
 
 import uvicorn
 
@@ -36,8 +38,16 @@ def serve(
         # An open ingest endpoint would let anyone trigger node reboots: refuse to start.
         raise ServeConfigError(f"set {TOKENS_ENV} (comma-separated tokens) or {HMAC_SECRET_ENV}")
     store = Store(load_settings(env).database_url)
+    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again with the handler it
+    # found. Left at the default, that kills the process without running atexit hooks, and
+    # Prefect's embedded API server, stopped by one, would outlive us.
+    signal.signal(signal.SIGTERM, _exit)
     try:
         app = create_app(store, tokens=tokens, hmac_secret=secret, on_accepted=on_accepted, slack=slack)
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log)
     finally:
         store.close()
+
+
+def _exit(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
