@@ -28,6 +28,7 @@ def test_demo_remediates_hardware_and_leaves_application_faults_alone(
         "gpu-node-5": ("software", "none", "closed"),
         "gpu-node-2": ("hardware", "replace", "closed"),
         "gpu-node-7": ("unknown", "none", "closed"),
+        "leaf-3": ("infrastructure", "escalate", "escalated"),
     }
     # The malformed lines were kept, not lost, and did not stop the rest.
     assert len(store.rejections()) == 2
@@ -52,3 +53,9 @@ def test_demo_remediates_hardware_and_leaves_application_faults_alone(
     assert lone is not None and [(d.level, d.result) for d in lone.diagnostics] == [(1, "pass")]
     assert [a.action for a in lone.actions] == []
     assert "Slack → #gpu-ops" in result.output
+    # The switch storm was one incident about the switch, told to the network team, no node touched.
+    storm = store.incident_detail(incidents["leaf-3"].id)
+    assert storm is not None and storm.incident.scope == "switch" and len(storm.events) == 12
+    assert storm.actions == [] and storm.diagnostics == []
+    assert "Slack → #network-oncall" in result.output
+    assert "Infrastructure fault on switch leaf-3 (4 nodes): escalate" in result.output

@@ -1,4 +1,4 @@
-"""`medic demo`: a simulated 8-node fleet, a few real-looking faults, the real flows end to end."""
+"""`medic demo`: a simulated 12-node fleet, a few real-looking faults, the real flows end to end."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _event(n: int, at: datetime, kind: str, node: str, **fields: Any) -> dict[st
 def build_scenario(now: datetime | None = None) -> Scenario:
     """The fleet, its jobs, scripted diagnostics, and the event lines the faults produce."""
     t0 = (now or datetime.now(UTC)) - timedelta(minutes=3)
-    fleet = SimFleet.build(nodes=8, gpus=8, per_switch=4)
+    fleet = SimFleet.build(nodes=12, gpus=8, per_switch=4)
     fleet.add_job(
         "llm-pretrain",
         "alice",
@@ -102,6 +102,10 @@ def build_scenario(now: datetime | None = None) -> Scenario:
     )
     # 4. A lone collective timeout on gpu-node-7: a quick DCGM level 1 settles it (passes).
     add(150, "nccl_timeout", "gpu-node-7", job="vision-ft", rank=3, source="job")
+    # 5. Every node under leaf-3 times out at once: the switch's trouble, one incident, no node touched.
+    for second in range(3):
+        for node in range(9, 13):
+            add(160 + second + node / 10, "nccl_timeout", f"gpu-node-{node}", job="eval-sweep", source="job")
 
     lines = [json.dumps(e) for e in events]
     lines[3:3] = BAD_LINES
@@ -112,6 +116,7 @@ def build_scenario(now: datetime | None = None) -> Scenario:
         "gpu-node-5: NaN loss at iteration 8,215 in vision-ft, then the job crashes",
         "gpu-node-2: DCGM's health watch flags low memory bandwidth on GPU 2; the job's steps slow down",
         "gpu-node-7: a lone NCCL timeout",
+        "leaf-3: all four nodes under the switch report NCCL timeouts at once",
         "two malformed lines in the feed",
     ]
     return Scenario(fleet, lines, story)
