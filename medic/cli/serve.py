@@ -51,9 +51,6 @@ def _remediation() -> tuple[LiveDispatcher, SlackCallbacks]:
 
     Imported here, not at the top: `medic triage` and `medic emit` must not load Prefect.
     """
-    import asyncio
-    import threading
-
     from prefect.flow_runs import resume_flow_run
 
     from flows.live import LiveDispatcher
@@ -62,8 +59,7 @@ def _remediation() -> tuple[LiveDispatcher, SlackCallbacks]:
 
     rt = current()
     dispatcher = LiveDispatcher(rt)
-    # Start Prefect's API now, not when the first fault arrives.
-    threading.Thread(target=lambda: asyncio.run(dispatcher.warm_up()), daemon=True).start()
+    dispatcher.warm_up_in_background()  # Prefect's API starts now, not when the first fault arrives
     slack = SlackCallbacks(approvers=lambda: rt.policy().policy.approvals.approvers, resume=resume_flow_run)
     return dispatcher, slack
 
