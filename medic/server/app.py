@@ -1,4 +1,4 @@
-"""The ingest app: POST /v1/events, GET /healthz, GET /metrics (docs/serve.md).
+"""The ingest app: POST /v1/events, POST /v1/sentry, GET /healthz, GET /metrics (docs/serve.md).
 
 An event is committed to the store before its request is answered; only then is it handed
 to `on_accepted`, one batch at a time and in order, by a task that outlives the request.
@@ -22,8 +22,9 @@ from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel
 
 from medic.events import FaultEvent
+from medic.server import sentry
 from medic.server.auth import SIGNATURE_HEADER, Auth
-from medic.server.decode import Problem, decode
+from medic.server.decode import Decoded, Problem, decode
 from medic.server.metrics import IngestMetrics
 from medic.server.slack import SlackCallbacks
 from medic.server.slack import handle as handle_slack
@@ -60,7 +61,11 @@ def ingest(
     store: Store, body: bytes, content_type: str | None, remote: str, writes: AbstractContextManager[Any]
 ) -> Ingested:
     """Validate one body and commit what it holds (blocking: run it in a worker thread)."""
-    decoded = decode(body, content_type, remote)
+    return commit(store, decode(body, content_type, remote), writes)
+
+
+def commit(store: Store, decoded: Decoded, writes: AbstractContextManager[Any]) -> Ingested:
+    """Store the events and the rejections of a decoded body; describe the outcome."""
     with writes:
         stored = store.record_accepted(decoded.events)
         store.record_rejections(decoded.rejections)
@@ -82,6 +87,7 @@ def create_app(
     on_accepted: OnAccepted | None,
     max_body_bytes: int = MAX_BODY_BYTES,
     slack: SlackCallbacks | None = None,
+    sentry_secret: bytes | None = None,
 ) -> FastAPI:
     auth = Auth.of(tokens, hmac_secret)
     metrics = IngestMetrics(store)
@@ -135,9 +141,11 @@ def create_app(
             raise _Refused(
                 401, f"a bearer token or an {SIGNATURE_HEADER} is required", {"WWW-Authenticate": "Bearer"}
             )
-        remote = request.client.host if request.client else "unknown"
         content_type = request.headers.get("content-type")
-        done = await anyio.to_thread.run_sync(ingest, store, body, content_type, remote, writes)
+        done = await anyio.to_thread.run_sync(ingest, store, body, content_type, _remote(request), writes)
+        return _answered(done)
+
+    def _answered(done: Ingested) -> Response:
         metrics.received.inc(done.received)
         metrics.stored.inc(len(done.stored))
         metrics.duplicates.inc(len(done.reply.duplicates))
@@ -146,6 +154,24 @@ def create_app(
             relay.send(done.stored)
         status = 422 if done.reply.rejected else 200
         return JSONResponse(done.reply.model_dump(exclude_none=True), status_code=status)
+
+    if sentry_secret:
+
+        @app.post("/v1/sentry")
+        async def sentry_webhook(request: Request) -> Response:
+            try:
+                body = await _read_body(request, max_body_bytes)
+            except _Refused as refused:
+                return refused.response
+            if not sentry.signature_ok(sentry_secret, body, request.headers.get(sentry.SIGNATURE_HEADER)):
+                return JSONResponse(
+                    {"error": f"{sentry.SIGNATURE_HEADER} does not match the body"}, status_code=401
+                )
+            translated = sentry.translate(body, request.headers.get(sentry.RESOURCE_HEADER), _remote(request))
+            if translated.ignored:
+                return JSONResponse({"ignored": translated.ignored}, status_code=202)
+            done = await anyio.to_thread.run_sync(commit, store, translated.decoded, writes)
+            return _answered(done)
 
     if slack is not None:
 
@@ -196,6 +222,10 @@ class _Relay:
             await self.on_accepted(events)
         except Exception:  # the events stay stored; the next batch must still be handed on
             log.exception("on_accepted failed for %d events", len(events))
+
+
+def _remote(request: Request) -> str:
+    return request.client.host if request.client else "unknown"
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -13,6 +13,7 @@ from medic.config import load_settings
 from medic.server import DEFAULT_HOST, DEFAULT_PORT
 from medic.server.app import OnAccepted, create_app
 from medic.server.auth import HMAC_SECRET_ENV, TOKENS_ENV, credentials_from_env
+from medic.server.sentry import SECRET_ENV as SENTRY_SECRET_ENV
 from medic.server.slack import SlackCallbacks
 from medic.store import Store
 
@@ -43,7 +44,14 @@ def serve(
     # Prefect's embedded API server, stopped by one, would outlive us.
     signal.signal(signal.SIGTERM, _exit)
     try:
-        app = create_app(store, tokens=tokens, hmac_secret=secret, on_accepted=on_accepted, slack=slack)
+        app = create_app(
+            store,
+            tokens=tokens,
+            hmac_secret=secret,
+            on_accepted=on_accepted,
+            slack=slack,
+            sentry_secret=env.get(SENTRY_SECRET_ENV, "").encode() or None,
+        )
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log)
     finally:
         store.close()
