@@ -8,6 +8,7 @@ from datetime import timedelta
 from flows.remediate import Outcome, remediate
 from medic.incidents import Incident, correlate
 from medic.intake import Intake
+from tasks import prefect_events
 from tasks.evidence import storms
 from tasks.reconcile import reconcile_intents
 from tasks.runtime import Runtime
@@ -37,6 +38,7 @@ def record(rt: Runtime, intake: Intake) -> Dispatch:
     dispatch.stored_events = rt.store.record_events(incidents)
     for incident in incidents:
         rt.store.open_incident(incident)
+        prefect_events.incident_opened(incident)
     return dispatch
 
 

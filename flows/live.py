@@ -30,6 +30,7 @@ from flows.dispatch import remediate_one
 from medic.events import FaultEvent
 from medic.incidents import Incident, Scope, Storms, correlate
 from medic.store.tables import IncidentRecord
+from tasks import prefect_events
 from tasks.evidence import storms
 from tasks.guard import ensure_limits
 from tasks.runtime import Runtime
@@ -115,6 +116,7 @@ class LiveDispatcher:
         self.rt.store.attach_events(incidents)
         for incident in incidents:
             self.rt.store.open_incident(incident)
+            prefect_events.incident_opened(incident)
         return incidents
 
     def _join_active(self, events: list[FaultEvent], window: timedelta, current: Storms) -> list[FaultEvent]:

@@ -20,20 +20,34 @@ from medic.incidents import Incident
 log = logging.getLogger("medic.prefect_events")
 
 
-def _related(node: str, jobs: Iterable[str]) -> list[dict[str, str]]:
-    related = [{"prefect.resource.id": f"medic.node.{node}", "prefect.resource.role": "node"}]
+def _related(nodes: Iterable[str], jobs: Iterable[str]) -> list[dict[str, str]]:
+    related = [
+        {"prefect.resource.id": f"medic.node.{node}", "prefect.resource.role": "node"} for node in nodes
+    ]
     related += [{"prefect.resource.id": f"medic.job.{job}", "prefect.resource.role": "job"} for job in jobs]
     return related
 
 
 def _emit(
-    name: str, incident: str, node: str, jobs: Iterable[str], payload: dict[str, Any], at: datetime | None
+    name: str,
+    incident: str,
+    node: str,
+    jobs: Iterable[str],
+    payload: dict[str, Any],
+    at: datetime | None,
+    nodes: Iterable[str] = (),
 ) -> None:
+    # The incident id and node as labels: a deployment trigger passes them on as parameters.
+    resource = {
+        "prefect.resource.id": f"medic.incident.{incident}",
+        "medic.incident": incident,
+        "medic.node": node,
+    }
     try:
         emit_event(
             event=name,
-            resource={"prefect.resource.id": f"medic.incident.{incident}", "medic.node": node},
-            related=_related(node, jobs),
+            resource=resource,
+            related=_related(nodes or [node], jobs),
             payload=payload,
             occurred=at,
         )
@@ -49,8 +63,13 @@ def incident_opened(incident: Incident) -> None:
         incident.id,
         incident.node,
         incident.jobs,
-        {"events": len(incident.events), "kinds": sorted({e.kind.value for e in incident.events})},
+        {
+            "scope": incident.scope,
+            "events": len(incident.events),
+            "kinds": sorted({e.kind.value for e in incident.events}),
+        },
         incident.opened_at,
+        incident.nodes,
     )
 
 

@@ -8,7 +8,6 @@ from pydantic import BaseModel
 
 from medic.incidents import Scope
 from medic.policy import Decision
-from tasks import prefect_events
 from tasks.evidence import evaluate, load_incident
 from tasks.runtime import current
 from tasks.stage import stage
@@ -43,7 +42,6 @@ def triage(incident_id: str) -> Triage:
         owner = next((info.owner for j in jobs if (info := scheduler.job(j)) and info.owner), None)
         gpu = next((e.gpu for e in incident.events if e.gpu is not None), None)
         decision = evaluate(rt, incident_id)
-        prefect_events.incident_opened(incident)
         # A rule may route elsewhere (network trouble goes to the network team, not the job owner).
         owners = rt.policy().policy.owners
         channel = owners.get(decision.owner or owner or "", owners.get("default", "#gpu-medic"))

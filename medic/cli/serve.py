@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -26,17 +27,30 @@ from medic.server.emit import DEFAULT_URL, TOKEN_ENV, URL_ENV, build_event, pars
 err = Console(stderr=True, soft_wrap=True)
 
 
+class Dispatch(StrEnum):
+    LOCAL = "local"
+    PREFECT = "prefect"
+
+
 def serve(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = DEFAULT_HOST,
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = DEFAULT_PORT,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
     access_log: Annotated[bool, typer.Option(help="Log every request.")] = True,
+    dispatch: Annotated[
+        Dispatch,
+        typer.Option(
+            envvar="MEDIC_DISPATCH",
+            help="local: remediate in this process (warm path); prefect: announce incidents for the "
+            "deployment's trigger to run on workers.",
+        ),
+    ] = Dispatch.LOCAL,
 ) -> None:
     """Run the HTTP ingest service: POST /v1/events, GET /healthz, GET /metrics."""
     from medic.server.main import ServeConfigError
     from medic.server.main import serve as run_server
 
-    dispatcher, slack = _remediation()
+    dispatcher, slack = _remediation(dispatch)
     try:
         run_server(
             host, port, on_accepted=dispatcher, slack=slack, log_level=log_level, access_log=access_log
@@ -46,19 +60,20 @@ def serve(
         raise typer.Exit(2) from None
 
 
-def _remediation() -> tuple[LiveDispatcher, SlackCallbacks]:
-    """The warm path (incidents remediated in this process) and Slack's approval callbacks.
+def _remediation(dispatch: Dispatch) -> tuple[LiveDispatcher, SlackCallbacks]:
+    """The dispatcher (the warm path, or the trigger's) and Slack's approval callbacks.
 
     Imported here, not at the top: `medic triage` and `medic emit` must not load Prefect.
     """
     from prefect.flow_runs import resume_flow_run
 
+    from flows.deployed import DeployedDispatcher
     from flows.live import LiveDispatcher
     from medic.server.slack import SlackCallbacks
     from tasks.runtime import current
 
     rt = current()
-    dispatcher = LiveDispatcher(rt)
+    dispatcher = LiveDispatcher(rt) if dispatch is Dispatch.LOCAL else DeployedDispatcher(rt)
     dispatcher.warm_up_in_background()  # Prefect's API starts now, not when the first fault arrives
     slack = SlackCallbacks(approvers=lambda: rt.policy().policy.approvals.approvers, resume=resume_flow_run)
     return dispatcher, slack
