@@ -46,6 +46,7 @@ POSTGRES_ADMIN_URL = os.environ.get(
 )
 # (faults, seconds between them): far enough apart that runs rarely overlap, and one a second.
 PACES = ((20, 3.0), (40, 1.0))
+TRIGGER = (6, 3.0)  # the scaled-out path: the default simulated fleet of its workers has 8 nodes
 STORM_EVENTS = 1000
 STORM_SECONDS = 10.0
 STORM_BATCHES = 50
@@ -68,29 +69,53 @@ def serve(port: int, nodes: int, per_switch: int, policy: Path) -> None:
     run_server(port=port, on_accepted=dispatcher, log_level="warning", access_log=False)
 
 
+def _env(directory: Path, prefect_api: str | None) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "MEDIC_DATABASE_URL": f"sqlite:///{directory / 'medic.db'}",
+        "MEDIC_INGEST_TOKENS": TOKEN,
+        "MEDIC_HOME": str(directory / "home"),
+        "PREFECT_HOME": str(directory / "prefect"),
+        "PREFECT_LOGGING_LEVEL": "ERROR",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    env.pop("PREFECT_API_URL", None)
+    if prefect_api:
+        env["PREFECT_API_URL"] = prefect_api
+    return env
+
+
 class _Server:
+    """`medic serve`'s app in its own process: by default this module's warm-path server with a
+    fleet of the given shape; `command` runs another (`medic serve --dispatch prefect`)."""
+
     def __init__(
-        self, directory: Path, nodes: int, per_switch: int, policy: Path, prefect_api: str | None = None
+        self,
+        directory: Path,
+        nodes: int,
+        per_switch: int,
+        policy: Path,
+        prefect_api: str | None = None,
+        command: list[str] | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
-        self.database = f"sqlite:///{directory / 'medic.db'}"
+        env = _env(directory, prefect_api) | (extra_env or {})
+        self.database = env["MEDIC_DATABASE_URL"]
         self.url = f"http://127.0.0.1:{_free_port()}"
-        env = {
-            **os.environ,
-            "MEDIC_DATABASE_URL": self.database,
-            "MEDIC_INGEST_TOKENS": TOKEN,
-            "MEDIC_HOME": str(directory / "home"),
-            "PREFECT_HOME": str(directory / "prefect"),
-            "PREFECT_LOGGING_LEVEL": "ERROR",
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        }
-        env.pop("PREFECT_API_URL", None)
-        if prefect_api:
-            env["PREFECT_API_URL"] = prefect_api
-        args = [self.url.rsplit(":", 1)[1], str(nodes), str(per_switch), str(policy)]
+        port = self.url.rsplit(":", 1)[1]
+        command = command or [
+            sys.executable,
+            "-m",
+            "bench.live",
+            "serve",
+            str(nodes),
+            str(per_switch),
+            str(policy),
+        ]
         self.log = directory / "server.log"
         with self.log.open("wb") as output:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "bench.live", "serve", *args],
+                [*command, "--port", port],
                 env=env,
                 cwd=REPO_ROOT,
                 stdout=output,
@@ -193,24 +218,66 @@ def _warm_up(server: _Server, store: Any, node: str) -> None:
 
 
 def _latency(directory: Path, prefect_api: str | None, faults: int, spacing_s: float) -> dict[str, Any]:
-    from medic.store import Store
-
     policy = _policy_without_guardrails(directory)
     with _Server(directory, faults + 8, 8, policy, prefect_api) as server:
-        store = Store(server.database)
-        _warm_up(server, store, f"gpu-node-{faults + 1}")
-        posted: dict[str, float] = {}
-        for i in range(1, faults + 1):
-            node = f"gpu-node-{i}"
-            posted[node] = time.time()
-            server.post([_event(f"fault-{i}", "xid", node, gpu=3, attributes={"code": 79})])
-            time.sleep(spacing_s)
-        for node in posted:
-            server.until(lambda node=node: any(i.closed_at for i in store.find_incidents(node=node)), "close")
-        since = datetime(2000, 1, 1, tzinfo=UTC)
-        drains = {a.node: _epoch(a.intent_at) for a in store.actions_since(since, ["drain"])}
-        to_close = {i.node: _epoch(i.closed_at) for i in store.find_incidents() if i.closed_at}
-        store.close()
+        return _measure(server, faults, spacing_s)
+
+
+def _trigger_latency(directory: Path, prefect_api: str, faults: int, spacing_s: float) -> dict[str, Any]:
+    """The scaled-out path: `medic serve --dispatch prefect`, the deployment's trigger, a process
+    worker polling every second (Prefect's default is 10 s), each run in a fresh flow process."""
+    policy = _policy_without_guardrails(directory)
+    env = _env(directory, prefect_api) | {
+        "MEDIC_POLICY": str(policy),
+        "MEDIC_REPO": str(REPO_ROOT),
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+    }
+    prefect = [sys.executable, "-m", "prefect"]
+    for args in (["work-pool", "create", "medic", "--type", "process"], ["--no-prompt", "deploy", "--all"]):
+        prefect_file = ["--prefect-file", "deployments/prefect.yaml"] if "deploy" in args else []
+        subprocess.run(
+            [*prefect, *args, *prefect_file], env=env, cwd=REPO_ROOT, check=True, capture_output=True
+        )
+    with (directory / "worker.log").open("wb") as output:
+        worker = subprocess.Popen(
+            [*prefect, "worker", "start", "--pool", "medic", "--type", "process"],
+            env=env,
+            stdout=output,
+            stderr=output,
+        )
+    try:
+        medic = [
+            str(Path(sys.executable).parent / "medic"),
+            "serve",
+            "--dispatch",
+            "prefect",
+            "--log-level",
+            "warning",
+        ]
+        with _Server(directory, 8, 4, policy, prefect_api, command=medic, extra_env=env) as server:
+            return _measure(server, faults, spacing_s)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=60)
+
+
+def _measure(server: _Server, faults: int, spacing_s: float) -> dict[str, Any]:
+    from medic.store import Store
+
+    store = Store(server.database)
+    _warm_up(server, store, f"gpu-node-{faults + 1}")
+    posted: dict[str, float] = {}
+    for i in range(1, faults + 1):
+        node = f"gpu-node-{i}"
+        posted[node] = time.time()
+        server.post([_event(f"fault-{i}", "xid", node, gpu=3, attributes={"code": 79})])
+        time.sleep(spacing_s)
+    for node in posted:
+        server.until(lambda node=node: any(i.closed_at for i in store.find_incidents(node=node)), "close")
+    since = datetime(2000, 1, 1, tzinfo=UTC)
+    drains = {a.node: _epoch(a.intent_at) for a in store.actions_since(since, ["drain"])}
+    to_close = {i.node: _epoch(i.closed_at) for i in store.find_incidents() if i.closed_at}
+    store.close()
     missing = sorted(set(posted) - set(drains))
     if missing:
         raise RuntimeError(f"no drain recorded for {missing}")
@@ -289,6 +356,14 @@ def run() -> dict[str, Any]:
         prefect_on_postgres(Path(tmp)) as api,
     ):
         latency.append(("Prefect server on PostgreSQL", _latency(Path(tmp), api, faults, spacing)))
+        trigger = Path(tmp) / "trigger"
+        trigger.mkdir()
+        latency.append(
+            (
+                "the same, `--dispatch prefect`: trigger → process worker",
+                _trigger_latency(trigger, api, *TRIGGER),
+            )
+        )
     with tempfile.TemporaryDirectory(prefix="medic-bench-storm-") as tmp:
         storm = _storm(Path(tmp))
     return {"latency": latency, "storm": storm}
@@ -329,7 +404,9 @@ def section(r: dict[str, Any]) -> str:
             "XID 79 faults, each on its own node, posted at a steady pace; timed from just before each POST to "
             "the drain's intent in the store (the first node action) and to the incident's close (drain, reboot, "
             "job resume, DCGM L1 verify, reintegrate, notify). Default policy without guardrails. With Prefect's "
-            "embedded server (`medic demo`'s setup) and with a real `prefect server` on PostgreSQL (production's). "
+            "embedded server (`medic demo`'s setup) and with a real `prefect server` on PostgreSQL (production's); "
+            "last, the scaled-out path (`medic serve --dispatch prefect`, the deployment's trigger, a process worker "
+            "polling every second instead of Prefect's default 10 s, each run in a fresh flow process). "
             "At one fault a second the embedded server's SQLite refuses concurrent flow runs' writes ('database is "
             "locked') and Prefect's client backs off 2, 4, 8 s: that is the embedded tail.",
             "",
@@ -358,7 +435,7 @@ def section(r: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["serve"]:
-        port, nodes, per_switch, policy = sys.argv[2:6]
+        nodes, per_switch, policy, _, port = sys.argv[2:7]
         serve(int(port), int(nodes), int(per_switch), Path(policy))
     else:
         print(section(run()))
