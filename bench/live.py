@@ -397,7 +397,7 @@ def section(r: dict[str, Any]) -> str:
     ]
     return "\n".join(
         [
-            "## The live path (`medic serve`, warm path)",
+            "## The live path (`medic serve`)",
             "",
             "A real uvicorn server with the in-process dispatcher, as `medic serve` runs it (its own process, "
             "SQLite store, simulated fleet), after one warm-up fault. "
