@@ -2,11 +2,10 @@
 
 A new event joins its node's incident while that incident is still being handled (its
 switch's, for a switch-wide storm, even once handled) and the event falls within the
-policy's window, so the running
-flow sees the new evidence at its next decision instead of a second flow run starting.
-Everything else is correlated into new incidents, each remediated by its own flow run on a
-worker thread (flows run sync tasks; the service's event loop must stay free to acknowledge
-events).
+policy's window, so the running flow sees the new evidence at its next decision instead of
+a second flow run starting. Everything else is correlated into new incidents, each
+remediated by its own flow run on a worker thread (flows run sync tasks; the service's
+event loop must stay free to acknowledge events).
 
 Events a policy `switch` condition counts (collective timeouts, say) are held for
 `defaults.storm_hold_seconds` first: the first node to report a switch failure reports it
