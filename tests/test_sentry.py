@@ -5,29 +5,42 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from test_server import free_port, server_process
+from fastapi import FastAPI
+from test_server import REMOTE, TOKEN, free_port, make_app, samples, server_process, serving
 
 from medic.events import EventKind, FaultEvent
-from medic.server.app import create_app
 from medic.server.sentry import KINDS, translate
 from medic.store import Store
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sentry"
 SECRET = b"sentry-client-secret"
+DAY = (datetime(2026, 11, 22, tzinfo=UTC), datetime(2026, 11, 23, tzinfo=UTC))
 
 
 def body(name: str) -> bytes:
     return (FIXTURES / f"{name}.json").read_bytes()
 
 
+def edited(name: str, **event: Any) -> bytes:
+    """An event_alert fixture with fields of its event replaced (None: removed)."""
+    payload = json.loads(body(name))
+    inner = payload["data"]["event"]
+    for key, value in event.items():
+        if value is None:
+            del inner[key]
+        else:
+            inner[key] = value
+    return json.dumps(payload).encode()
+
+
 def headers(payload: bytes, resource: str, secret: bytes = SECRET) -> dict[str, str]:
+    """The headers Sentry sends (docs.sentry.io, integration platform webhooks)."""
     return {
         "Content-Type": "application/json",
         "Request-ID": "e4a6f5b0-2c3d-4e5f-8a9b-0c1d2e3f4a5b",
@@ -37,34 +50,25 @@ def headers(payload: bytes, resource: str, secret: bytes = SECRET) -> dict[str, 
     }
 
 
-@asynccontextmanager
-async def sentry_client(
-    store: Store, accepted: list[FaultEvent] | None = None
-) -> AsyncIterator[httpx.AsyncClient]:
+def sentry_app(store: Store, handed_on: list[FaultEvent] | None = None) -> FastAPI:
     async def hand_on(events: list[FaultEvent]) -> None:
-        (accepted if accepted is not None else []).extend(events)
+        (handed_on if handed_on is not None else []).extend(events)
 
-    app = create_app(store, tokens={"t"}, hmac_secret=None, on_accepted=hand_on, sentry_secret=SECRET)
-    transport = httpx.ASGITransport(app=app, client=("10.0.0.7", 40000))
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://medic") as client,
-    ):
-        yield client
+    return make_app(store, on_accepted=hand_on, sentry_secret=SECRET)
 
 
-async def post(client: httpx.AsyncClient, name: str, resource: str, **options: Any) -> httpx.Response:
-    payload = options.pop("payload", None) or body(name)
-    return await client.post("/v1/sentry", content=payload, headers=headers(payload, resource, **options))
+async def post(client: httpx.AsyncClient, payload: bytes | str, resource: str) -> httpx.Response:
+    sent = body(payload) if isinstance(payload, str) else payload
+    return await client.post("/v1/sentry", content=sent, headers=headers(sent, resource))
 
 
 @pytest.mark.anyio
 async def test_an_nccl_watchdog_alert_becomes_an_nccl_timeout_on_the_tagged_node(sqlite_store: Store) -> None:
     handed_on: list[FaultEvent] = []
-    async with sentry_client(sqlite_store, handed_on) as client:
+    async with serving(sentry_app(sqlite_store, handed_on)) as client:
         response = await post(client, "event_alert_nccl", "event_alert")
     assert (response.status_code, response.json()) == (200, {"accepted": 1, "duplicates": [], "rejected": []})
-    (stored,) = sqlite_store.events_between(*_day())
+    (stored,) = sqlite_store.events_between(*DAY)
     assert (
         stored.kind,
         stored.node,
@@ -83,87 +87,139 @@ async def test_an_nccl_watchdog_alert_becomes_an_nccl_timeout_on_the_tagged_node
         "leaf-3",
     )
     assert stored.id == "sentry-4f6b0e8c3d2a4b1f9e7d6c5b4a392817" and stored.source == "sentry"
-    assert stored.attributes["owner"] == "alice"
-    assert stored.attributes["sentry_url"].startswith(
-        "https://sentry.io/organizations/acme/issues/1117540176/"
-    )
+    assert stored.time == datetime(2026, 11, 22, 10, 15, 42, 118000, tzinfo=UTC)
+    assert {k: v for k, v in stored.attributes.items() if k != "message"} == {
+        "sentry_event": "4f6b0e8c3d2a4b1f9e7d6c5b4a392817",
+        "sentry_issue": "1117540176",
+        "sentry_title": "DistBackendError: [Rank 12] Watchdog caught collective operation timeout",
+        "sentry_url": "https://sentry.io/organizations/acme/issues/1117540176/events/4f6b0e8c3d2a4b1f9e7d6c5b4a392817/",
+        "owner": "alice",
+    }
     assert [e.id for e in handed_on] == [stored.id]  # on to remediation, like any posted event
 
 
 @pytest.mark.anyio
 async def test_a_cuda_error_naming_its_xid_is_that_xid(sqlite_store: Store) -> None:
-    async with sentry_client(sqlite_store) as client:
+    async with serving(sentry_app(sqlite_store)) as client:
         response = await post(client, "error_xid", "error")
     assert response.json()["accepted"] == 1
-    (stored,) = sqlite_store.events_between(*_day())
-    assert (stored.kind, stored.node, stored.attributes["code"], stored.gpu) == (
+    (stored,) = sqlite_store.events_between(*DAY)
+    assert (stored.kind, stored.node, stored.job, stored.rank, stored.gpu, stored.attributes["code"]) == (
         EventKind.XID,
-        "gpu-node-3",
-        79,
+        "gpu-node-3",  # from the `host` tag
+        "48299",
+        8,
         5,
+        79,
     )
 
 
 @pytest.mark.anyio
 async def test_a_nan_loss_and_a_redelivery(sqlite_store: Store) -> None:
-    async with sentry_client(sqlite_store) as client:
+    async with serving(sentry_app(sqlite_store)) as client:
         first = await post(client, "event_alert_nan", "event_alert")
-        again = await post(client, "event_alert_nan", "event_alert")  # Sentry retries deliveries
+        again = await post(client, "event_alert_nan", "event_alert")  # Sentry delivers it again
+        nan = json.loads(body("event_alert_nan"))["data"]["event"]
+        as_error = await post(
+            client, json.dumps({"action": "created", "data": {"error": nan}}).encode(), "error"
+        )
     assert first.json()["accepted"] == 1
-    assert again.json() == {
-        "accepted": 0,
-        "duplicates": ["sentry-c0ffee00c0ffee00c0ffee00c0ffee00"],
-        "rejected": [],
-    }
-    (stored,) = sqlite_store.events_between(*_day())
-    assert (stored.kind, stored.iteration, stored.rank) == (EventKind.NAN_LOSS, 15_200, 0)
+    duplicate = {"accepted": 0, "duplicates": ["sentry-c0ffee00c0ffee00c0ffee00c0ffee00"], "rejected": []}
+    assert again.json() == duplicate
+    assert as_error.json() == duplicate  # the same Sentry event by the `error` resource too
+    (stored,) = sqlite_store.events_between(*DAY)
+    assert (stored.kind, stored.node, stored.iteration, stored.rank) == (
+        EventKind.NAN_LOSS,
+        "gpu-node-30",
+        15_200,
+        0,
+    )
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("forged", ["wrong-secret", "missing", "other-body"])
+@pytest.mark.parametrize("forged", ["wrong-secret", "missing", "other-body", "bearer-token-instead"])
 async def test_a_forged_or_missing_signature_stores_nothing(sqlite_store: Store, forged: str) -> None:
     payload = body("event_alert_nccl")
     sent = headers(payload, "event_alert", secret=b"not-the-secret" if forged == "wrong-secret" else SECRET)
-    if forged == "missing":
+    if forged in ("missing", "bearer-token-instead"):
         del sent["Sentry-Hook-Signature"]
+    if forged == "bearer-token-instead":
+        sent["Authorization"] = f"Bearer {TOKEN}"  # good for /v1/events, not here
     if forged == "other-body":
         payload = payload.replace(b"gpu-node-12", b"gpu-node-13")  # signed, then tampered with
-    async with sentry_client(sqlite_store) as client:
+    async with serving(sentry_app(sqlite_store)) as client:
         response = await client.post("/v1/sentry", content=payload, headers=sent)
     assert response.status_code == 401 and "Sentry-Hook-Signature" in response.json()["error"]
-    assert sqlite_store.events_between(*_day()) == [] and sqlite_store.rejections() == []
+    assert sqlite_store.events_between(*DAY) == [] and sqlite_store.rejections() == []
 
 
 @pytest.mark.anyio
-async def test_an_exception_that_is_no_fault_is_rejected_and_kept(sqlite_store: Store) -> None:
-    async with sentry_client(sqlite_store) as client:
-        response = await post(client, "event_alert_unknown", "event_alert")
-        no_node = json.loads(body("event_alert_nan"))
-        no_node["data"]["event"]["tags"] = [["job", "48299"]]
-        nameless = await post(client, "", "event_alert", payload=json.dumps(no_node).encode())
-    assert response.status_code == 422
-    (problem,) = response.json()["rejected"]
-    assert "no fault kind" in problem["error"] and "KeyError" in problem["error"]
-    assert nameless.status_code == 422 and "no node" in nameless.json()["rejected"][0]["error"]
+async def test_what_cannot_be_a_fault_is_rejected_and_kept(sqlite_store: Store) -> None:
+    no_node = edited("event_alert_nan", tags=[["job", "48299"], ["server_name", ""]])
+    cases = [
+        ("event_alert_unknown", "no fault kind in \"KeyError: 'input_ids'"),  # not a GPU fault
+        (no_node, "no node: tag the job's Sentry events with one of node, host"),
+        (edited("event_alert_nan", event_id=None), "no event_id"),
+        (edited("event_alert_nan", exception="boom"), "not a Sentry event_alert webhook: AttributeError"),
+        (b"{not json", "not a Sentry event_alert webhook: JSONDecodeError"),
+        (edited("event_alert_nan", datetime="yesterday"), "time: Input should be a valid datetime"),
+    ]
+    async with serving(sentry_app(sqlite_store)) as client:
+        answers = [await post(client, payload, "event_alert") for payload, _ in cases]
+    for answer, (_, reason) in zip(answers, cases, strict=True):
+        assert answer.status_code == 422
+        (problem,) = answer.json()["rejected"]
+        assert reason in problem["error"], problem
+    assert sqlite_store.events_between(*DAY) == []
     kept = sqlite_store.rejections()
-    assert len(kept) == 2 and all(r.origin.startswith("sentry:10.0.0.7:event_alert") for r in kept)
-    assert '"0badc0de0badc0de0badc0de0badc0de"' in kept[0].raw  # the webhook as sent, to replay once fixed
+    assert [r.origin for r in kept] == [f"sentry:{REMOTE}:event_alert"] * len(cases)
+    assert kept[0].raw == body("event_alert_unknown").decode()  # the webhook as sent, to replay once fixed
+
+
+@pytest.mark.anyio
+async def test_an_unusable_count_tag_is_left_out_not_fatal(sqlite_store: Store) -> None:
+    # A job that tags os.environ.get("RANK") outside torchrun sends "None".
+    tags = [["node", "gpu-node-30"], ["rank", "None"], ["gpu", "-1"], ["iteration", "15200"]]
+    async with serving(sentry_app(sqlite_store)) as client:
+        response = await post(client, edited("event_alert_nan", tags=tags), "event_alert")
+    assert response.json()["accepted"] == 1
+    (stored,) = sqlite_store.events_between(*DAY)
+    assert (stored.rank, stored.gpu, stored.iteration) == (None, None, 15_200)
 
 
 @pytest.mark.anyio
 async def test_resources_without_an_error_event_are_acknowledged(sqlite_store: Store) -> None:
-    async with sentry_client(sqlite_store) as client:
+    async with serving(sentry_app(sqlite_store)) as client:
         issue = await post(client, "issue_created", "issue")
+        unnamed = await client.post("/v1/sentry", content=b"{}", headers=headers(b"{}", ""))
     assert issue.status_code == 202 and "issue carries no error event" in issue.json()["ignored"]
-    assert sqlite_store.events_between(*_day()) == [] and sqlite_store.rejections() == []
+    assert unnamed.status_code == 202 and "(none) carries no error event" in unnamed.json()["ignored"]
+    assert sqlite_store.events_between(*DAY) == [] and sqlite_store.rejections() == []
+
+
+@pytest.mark.anyio
+async def test_sentry_webhooks_are_counted_with_the_posted_events(sqlite_store: Store) -> None:
+    async with serving(sentry_app(sqlite_store)) as client:
+        for name in ("event_alert_nccl", "event_alert_nccl", "event_alert_unknown"):
+            await post(client, name, "event_alert")
+        await post(client, "issue_created", "issue")
+        await client.post("/v1/sentry", content=body("event_alert_nan"), headers={})
+        values = samples((await client.get("/metrics")).text)
+    assert values[("medic_events_received_total", ())] == 3
+    assert values[("medic_events_stored_total", ())] == 1
+    assert values[("medic_events_duplicate_total", ())] == 1
+    assert values[("medic_events_rejected_total", ())] == 1
+    answered = {
+        code: values[("medic_ingest_seconds_count", (("code", code),))]
+        for code in ("200", "202", "401", "422")
+    }
+    assert answered == {"200": 2, "202": 1, "401": 1, "422": 1}
 
 
 @pytest.mark.anyio
 async def test_no_secret_no_endpoint(sqlite_store: Store) -> None:
-    app = create_app(sqlite_store, tokens={"t"}, hmac_secret=None, on_accepted=None)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://medic") as client:
-        response = await client.post("/v1/sentry", content=body("event_alert_nccl"))
+    async with serving(make_app(sqlite_store)) as client:
+        response = await post(client, "event_alert_nccl", "event_alert")
     assert response.status_code == 404
 
 
@@ -173,8 +229,20 @@ async def test_no_secret_no_endpoint(sqlite_store: Store) -> None:
         ("NVRM: Xid (PCI:0000:3b:00): 48, pid=1, DBE", EventKind.XID),
         ("RuntimeError: CUDA error: uncorrectable ECC error encountered", EventKind.ECC),
         ("torch.distributed.DistBackendError: NCCL communicator was aborted", EventKind.NCCL_TIMEOUT),
+        (
+            "RuntimeError: Some NCCL operations have failed or timed out. Due to the asynchronous nature "
+            "of CUDA kernels, subsequent GPU operations might run on corrupted/incomplete data.",
+            EventKind.NCCL_TIMEOUT,
+        ),
+        (
+            "ProcessGroupNCCL's watchdog got stuck for 480 seconds without making progress",
+            EventKind.NCCL_TIMEOUT,
+        ),
         ("ValueError: Loss is NaN, stopping", EventKind.NAN_LOSS),
+        ("AssertionError: loss = inf at step 300", EventKind.NAN_LOSS),
+        ("FloatingPointError: Minimum loss scale reached (0.0001).", EventKind.NAN_LOSS),
         ("RuntimeError: CUDA error: an illegal memory access was encountered", EventKind.JOB_CRASH),
+        ("RuntimeError: cuDNN error: CUDNN_STATUS_EXECUTION_FAILED", EventKind.JOB_CRASH),
     ],
 )
 def test_the_kind_table_in_order(text: str, kind: EventKind) -> None:
@@ -186,22 +254,26 @@ def test_the_kind_table_in_order(text: str, kind: EventKind) -> None:
     }
     (event,) = translate(json.dumps(payload).encode(), "event_alert", "r").decoded.events
     assert event.kind is kind
+    if kind is EventKind.JOB_CRASH:
+        assert event.attributes["exit_code"] == -1  # no `exit_code` tag
 
 
-def test_medic_serve_takes_sentry_webhooks_when_given_the_secret(tmp_path: Path) -> None:
+@pytest.mark.parametrize("text", ["KeyError: 'input_ids'", "OSError: [Errno 28] No space left on device"])
+def test_what_the_kind_table_does_not_take(text: str) -> None:
+    assert not any(k.pattern.search(text) for k in KINDS)
+
+
+def test_medic_serve_takes_sentry_webhooks_with_only_the_sentry_secret(tmp_path: Path) -> None:
     port = free_port()
     payload = body("error_xid")
-    with server_process(tmp_path / "medic.db", port, {"MEDIC_SENTRY_CLIENT_SECRET": SECRET.decode()}):
-        response = httpx.post(
-            f"http://127.0.0.1:{port}/v1/sentry", content=payload, headers=headers(payload, "error")
-        )
+    # No ingest token: /v1/events stays closed, and a secret mounted from a file ends in a newline.
+    env = {"MEDIC_INGEST_TOKENS": "", "MEDIC_SENTRY_CLIENT_SECRET": SECRET.decode() + "\n"}
+    with server_process(tmp_path / "medic.db", port, env):
+        url = f"http://127.0.0.1:{port}"
+        response = httpx.post(f"{url}/v1/sentry", content=payload, headers=headers(payload, "error"))
+        events = httpx.post(f"{url}/v1/events", content=b"{}", headers={"Authorization": f"Bearer {TOKEN}"})
     assert (response.status_code, response.json()["accepted"]) == (200, 1)
+    assert events.status_code == 401
     store = Store(f"sqlite:///{tmp_path / 'medic.db'}")
-    assert [e.id for e in store.events_between(*_day())] == ["sentry-9a1c77b2e0f54d8c8e3b2a1f0c9d8e7f"]
+    assert [e.id for e in store.events_between(*DAY)] == ["sentry-9a1c77b2e0f54d8c8e3b2a1f0c9d8e7f"]
     store.close()
-
-
-def _day() -> tuple[Any, Any]:
-    from datetime import UTC, datetime
-
-    return datetime(2026, 11, 22, tzinfo=UTC), datetime(2026, 11, 23, tzinfo=UTC)

@@ -114,23 +114,24 @@ def create_app(
         title="GPU Medic ingest", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
 
-    @app.post("/v1/events")
+    def ingest_route(path: str, handler: Callable[[Request], Awaitable[Response]]) -> None:
+        """Add an ingest route: a refusal is its answer, and every answer is timed by its status."""
+
+        async def route(request: Request) -> Response:
+            started, code = time.perf_counter(), 500  # 500 unless answered: the store failed
+            try:
+                try:
+                    response = await handler(request)
+                except _Refused as refused:
+                    response = refused.response
+                code = response.status_code
+                return response
+            finally:
+                metrics.latency.labels(code=str(code)).observe(time.perf_counter() - started)
+
+        app.add_api_route(path, route, methods=["POST"])
+
     async def post_events(request: Request) -> Response:
-        started, code = time.perf_counter(), 500  # 500 unless answered: the store failed
-        try:
-            response = await _answer(request)
-            code = response.status_code
-            return response
-        finally:
-            metrics.latency.labels(code=str(code)).observe(time.perf_counter() - started)
-
-    async def _answer(request: Request) -> Response:
-        try:
-            return await _ingest(request)
-        except _Refused as refused:
-            return refused.response
-
-    async def _ingest(request: Request) -> Response:
         if auth.bearer_ok(request.headers.get("authorization")):
             body = await _read_body(request, max_body_bytes)
         elif request.headers.get(SIGNATURE_HEADER) and auth.hmac_secret is not None:
@@ -155,23 +156,23 @@ def create_app(
         status = 422 if done.reply.rejected else 200
         return JSONResponse(done.reply.model_dump(exclude_none=True), status_code=status)
 
-    if sentry_secret:
+    ingest_route("/v1/events", post_events)
 
-        @app.post("/v1/sentry")
-        async def sentry_webhook(request: Request) -> Response:
-            try:
-                body = await _read_body(request, max_body_bytes)
-            except _Refused as refused:
-                return refused.response
-            if not sentry.signature_ok(sentry_secret, body, request.headers.get(sentry.SIGNATURE_HEADER)):
-                return JSONResponse(
-                    {"error": f"{sentry.SIGNATURE_HEADER} does not match the body"}, status_code=401
-                )
-            translated = sentry.translate(body, request.headers.get(sentry.RESOURCE_HEADER), _remote(request))
+    if sentry_secret:
+        secret = sentry_secret
+
+        async def post_sentry(request: Request) -> Response:
+            body = await _read_body(request, max_body_bytes)
+            if not sentry.signature_ok(secret, body, request.headers.get(sentry.SIGNATURE_HEADER)):
+                raise _Refused(401, f"{sentry.SIGNATURE_HEADER} does not match the body")
+            resource = request.headers.get(sentry.RESOURCE_HEADER)
+            translated = await anyio.to_thread.run_sync(sentry.translate, body, resource, _remote(request))
             if translated.ignored:
                 return JSONResponse({"ignored": translated.ignored}, status_code=202)
             done = await anyio.to_thread.run_sync(commit, store, translated.decoded, writes)
             return _answered(done)
+
+        ingest_route("/v1/sentry", post_sentry)
 
     if slack is not None:
 

@@ -10,10 +10,9 @@ from types import FrameType
 import uvicorn
 
 from medic.config import load_settings
-from medic.server import DEFAULT_HOST, DEFAULT_PORT
+from medic.server import DEFAULT_HOST, DEFAULT_PORT, sentry
 from medic.server.app import OnAccepted, create_app
 from medic.server.auth import HMAC_SECRET_ENV, TOKENS_ENV, credentials_from_env
-from medic.server.sentry import SECRET_ENV as SENTRY_SECRET_ENV
 from medic.server.slack import SlackCallbacks
 from medic.store import Store
 
@@ -32,12 +31,16 @@ def serve(
     access_log: bool = True,
     env: Mapping[str, str] | None = None,
 ) -> None:
-    """Serve until interrupted. The store is MEDIC_DATABASE_URL; credentials MEDIC_INGEST_*."""
+    """Serve until interrupted. The store is MEDIC_DATABASE_URL; credentials MEDIC_INGEST_*, and
+    MEDIC_SENTRY_CLIENT_SECRET for `POST /v1/sentry`."""
     env = os.environ if env is None else env
     tokens, secret = credentials_from_env(env)
-    if not tokens and secret is None:
+    sentry_secret = sentry.secret_from_env(env)
+    if not tokens and secret is None and sentry_secret is None:
         # An open ingest endpoint would let anyone trigger node reboots: refuse to start.
-        raise ServeConfigError(f"set {TOKENS_ENV} (comma-separated tokens) or {HMAC_SECRET_ENV}")
+        raise ServeConfigError(
+            f"set {TOKENS_ENV} (comma-separated tokens), {HMAC_SECRET_ENV} or {sentry.SECRET_ENV}"
+        )
     store = Store(load_settings(env).database_url)
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again with the handler it
     # found. Left at the default, that kills the process without running atexit hooks, and
@@ -50,7 +53,7 @@ def serve(
             hmac_secret=secret,
             on_accepted=on_accepted,
             slack=slack,
-            sentry_secret=env.get(SENTRY_SECRET_ENV, "").encode() or None,
+            sentry_secret=sentry_secret,
         )
         uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log)
     finally:

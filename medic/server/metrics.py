@@ -67,7 +67,7 @@ class IngestMetrics:
     def __init__(self, store: Store) -> None:
         self.registry = CollectorRegistry()
         self.received = Counter(
-            "medic_events_received", "Items posted to /v1/events (valid or not).", registry=self.registry
+            "medic_events_received", "Items posted to an ingest route (valid or not).", registry=self.registry
         )
         self.stored = Counter(
             "medic_events_stored", "Posted events stored for the first time.", registry=self.registry
@@ -80,7 +80,7 @@ class IngestMetrics:
         )
         self.latency = Histogram(
             "medic_ingest_seconds",
-            "Time to answer POST /v1/events, by HTTP status.",
+            "Time to answer POST /v1/events or /v1/sentry, by HTTP status.",
             labelnames=["code"],
             registry=self.registry,
         )
