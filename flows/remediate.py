@@ -187,6 +187,20 @@ class _Thread:
 @flow(name="remediate-incident", flow_run_name=_run_name, log_prints=False, persist_result=False)
 async def remediate(incident_id: str, node: str) -> Outcome:
     logger = get_run_logger()
+    record = current().store.get_incident(incident_id)
+    if record is not None and record.status in ("closed", "escalated"):
+        # A second start for one incident (a trigger fired twice, a run restarted): nothing twice.
+        logger.info("incident %s is already %s; nothing to do", incident_id, record.status)
+        return Outcome(
+            incident=incident_id,
+            node=node,
+            classification=record.classification or "unknown",
+            action=record.action or "none",
+            rule=record.rule or "-",
+            reason="already handled",
+            act="skipped",
+            summary=f"already {record.status}: {record.outcome or ''}",
+        )
     await ensure_limits()
     triaged = triage(incident_id)
     decision, seen = triaged.decision, []

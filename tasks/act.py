@@ -7,6 +7,7 @@ from pydantic import BaseModel
 
 from medic.policy import Action, Decision
 from medic.policy.model import DESTRUCTIVE
+from medic.store.tables import ActionRecord
 from tasks import prefect_events
 from tasks.guard import guarded
 from tasks.node_ops import ensure_drained, resume_node
@@ -35,28 +36,36 @@ def _destructive(rt: Runtime, incident_id: str, node: str, gpu: int | None, deci
     action = decision.action
     key = f"{incident_id}:{node}:{action.value}"
     row = rt.store.get_action(key)
-    if row is not None and row.status == "succeeded":
-        return ActOutcome(
-            action=action, status="already-done", detail=f"{action.value} already done: {row.detail}"
-        )
-    if row is not None and row.status == "intent":
-        # An earlier attempt died between intent and outcome and reconciliation could not
-        # tell whether the node was hit: a second reboot or replacement is worse than asking.
-        return ActOutcome(
-            action=action,
-            status="escalated",
-            detail=f"an earlier {action.value} of {node} did not report back; not repeating it blind",
-        )
+    if row is not None and row.status != "failed":  # a failed call is tried again below
+        return _claimed_before(action, node, row)
     with guarded(rt, node, decision) as stopped:
         if stopped:
             return _stopped(action, stopped)
+        row, claimed = rt.store.claim_action(key, incident_id, node, action.value)
+        if not claimed:  # another run for this fault got there between our look and our claim
+            return _claimed_before(action, node, row)
         return _call_provider(rt, incident_id, node, gpu, action, key)
+
+
+def _claimed_before(action: Action, node: str, row: ActionRecord) -> ActOutcome:
+    """The fault's action was claimed already: never a second reboot or replacement for it."""
+    if row.status == "succeeded":
+        return ActOutcome(
+            action=action, status="already-done", detail=f"{action.value} already done: {row.detail}"
+        )
+    # An earlier attempt died between intent and outcome (reconciliation could not tell whether
+    # the node was hit), or another run is at it right now: repeating it blind is worse than asking.
+    return ActOutcome(
+        action=action,
+        status="escalated",
+        detail=f"another {action.value} of {node} for this fault has not reported back ({row.status}); "
+        "not repeating it blind",
+    )
 
 
 def _call_provider(
     rt: Runtime, incident_id: str, node: str, gpu: int | None, action: Action, key: str
 ) -> ActOutcome:
-    rt.store.claim_action(key, incident_id, node, action.value)
     drained = ensure_drained(rt, incident_id, node, action.value)
     provider = rt.backends.provider
     try:

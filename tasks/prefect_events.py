@@ -3,11 +3,16 @@
 `medic.fault.received`, `medic.incident.opened`, `medic.incident.closed` and
 `medic.action.<type>`, each about a `medic.incident.<id>` resource with the node (and jobs) as
 related resources. Sent through Prefect's background event worker: never blocking, never raising.
+
+An incident's announcement (`medic.incident.opened` and its `medic.fault.received`) is sent
+wherever the incident is opened, the same whichever process then runs it, and never from the
+flow run: with `medic serve --dispatch prefect` it is what starts the run (the deployment's trigger).
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -36,6 +41,7 @@ def _emit(
     payload: dict[str, Any],
     at: datetime | None,
     nodes: Iterable[str] = (),
+    key: str | None = None,
 ) -> None:
     # The incident id and node as labels: a deployment trigger passes them on as parameters.
     resource = {
@@ -50,9 +56,19 @@ def _emit(
             related=_related(nodes or [node], jobs),
             payload=payload,
             occurred=at,
+            id=event_id(name, key) if key else None,
         )
-    except Exception:  # the feed is a convenience; our store is the record
+    except Exception:  # the store is the record (unannounced, a --dispatch prefect incident stays open)
         log.warning("could not emit %s for %s", name, incident, exc_info=True)
+
+
+def event_id(name: str, key: str) -> uuid.UUID:
+    """The fixed id of the `name` event about `key` (an incident, an incident's fault).
+
+    Prefect stores one event per id and its triggers skip an id seen in the last 30 minutes,
+    so announcing the same incident again does not start a second flow run.
+    """
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"medic:{name}:{key}")
 
 
 def incident_opened(incident: Incident) -> None:
@@ -70,6 +86,7 @@ def incident_opened(incident: Incident) -> None:
         },
         incident.opened_at,
         incident.nodes,
+        key=incident.id,
     )
 
 
@@ -81,6 +98,7 @@ def fault_received(event: FaultEvent, incident_id: str) -> None:
         [event.job] if event.job else [],
         event.model_dump(mode="json", exclude_none=True),
         event.time,
+        key=f"{incident_id}:{event.id}",
     )
 
 

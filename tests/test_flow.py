@@ -14,6 +14,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from flows.dispatch import Dispatch, remediate_all
+from flows.remediate import remediate
 from integrations.protocols import Message, NodeState
 from integrations.sim.fleet import SimFleet
 from integrations.sim.notifier import RecordingNotifier
@@ -143,6 +144,19 @@ def test_same_fault_twice_acts_once(runtime: Runtime, training: SimFleet) -> Non
     assert node_calls(training, "gpu-node-1").count("reboot") == 1
 
 
+def test_a_second_run_for_a_closed_incident_does_nothing(runtime: Runtime, training: SimFleet) -> None:
+    """What a deployment trigger firing twice would do: the second run finds the incident closed."""
+    (first,) = run(
+        runtime, [line(1, "xid", "gpu-node-1", gpu=0, job="llm", attributes={"code": 79})]
+    ).outcomes
+    notifier = runtime.backends.notifier
+    assert isinstance(notifier, RecordingNotifier)
+    messages = len(notifier.threads)
+    again = asyncio.run(remediate(incident_id=first.incident, node="gpu-node-1"))
+    assert (again.act, again.action, again.summary.split(":")[0]) == ("skipped", "reboot", "already closed")
+    assert node_calls(training, "gpu-node-1").count("reboot") == 1 and len(notifier.threads) == messages
+
+
 def test_straggler_climbs_to_level_2_and_replaces(runtime: Runtime, training: SimFleet) -> None:
     training.script_diagnostic("gpu-node-2", 2, "fail", ("DCGM_FR_FAULTY_MEMORY",))
     stragglers = [
@@ -191,6 +205,21 @@ def test_unfinished_intent_is_not_repeated_blind(runtime: Runtime, training: Sim
     runtime.store.claim_action(f"{incident_id}:gpu-node-1:reboot", incident_id, "gpu-node-1", "reboot")
     (outcome,) = asyncio.run(remediate_all(runtime, intake)).outcomes
     assert outcome.act == "escalated"
+    assert "reboot" not in node_calls(training, "gpu-node-1")
+
+
+def test_a_claim_lost_in_a_race_does_not_act(
+    runtime: Runtime, training: SimFleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from medic.policy import Decision
+    from tasks.act import act
+
+    key = "inc-race:gpu-node-1:reboot"
+    runtime.store.claim_action(key, "inc-race", "gpu-node-1", "reboot")  # another run, mid-reboot
+    monkeypatch.setattr(runtime.store, "get_action", lambda _key: None)  # it claimed after our look
+    decision = Decision(incident="inc-race", classification="hardware", action="reboot", rule="r", reason="-")
+    outcome = act.fn("inc-race", "gpu-node-1", 0, decision)
+    assert outcome.status == "escalated" and "not repeating it blind" in outcome.detail
     assert "reboot" not in node_calls(training, "gpu-node-1")
 
 

@@ -319,6 +319,16 @@ def test_claim_action_once_then_finish(store: Store) -> None:
     assert not fresh_after
 
 
+def test_a_failed_claim_is_taken_back_once_to_try_again(store: Store) -> None:
+    key = "inc-f:gpu-017:reboot"
+    store.claim_action(key, "inc-f", "gpu-017", "reboot")
+    store.finish_action(key, "failed", detail="TimeoutError: BMC did not answer")
+    retried, taken = store.claim_action(key, "inc-f", "gpu-017", "reboot")
+    assert taken and retried.status == "intent"
+    _, taken_twice = store.claim_action(key, "inc-f", "gpu-017", "reboot")  # the other retrying run
+    assert not taken_twice and store.count(ActionRecord) == 1
+
+
 def test_racing_claims_give_exactly_one_fresh_claim(store: Store) -> None:
     workers = 8
     start = Barrier(workers)

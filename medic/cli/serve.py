@@ -50,6 +50,10 @@ def serve(
     from medic.server.main import ServeConfigError
     from medic.server.main import serve as run_server
 
+    if dispatch is Dispatch.PREFECT and not _prefect_api_url():
+        # An embedded Prefect server has no workers: every incident would wait forever.
+        err.print("[red]error:[/red] --dispatch prefect needs PREFECT_API_URL: the server the workers poll")
+        raise typer.Exit(2)
     dispatcher, slack = _remediation(dispatch)
     try:
         run_server(
@@ -77,6 +81,12 @@ def _remediation(dispatch: Dispatch) -> tuple[LiveDispatcher, SlackCallbacks]:
     dispatcher.warm_up_in_background()  # Prefect's API starts now, not when the first fault arrives
     slack = SlackCallbacks(approvers=lambda: rt.policy().policy.approvals.approvers, resume=resume_flow_run)
     return dispatcher, slack
+
+
+def _prefect_api_url() -> str | None:
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
 
 
 def emit(

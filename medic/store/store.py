@@ -411,7 +411,8 @@ class Store:
     # --- actions: intent before, outcome after ------------------------------------------------
 
     def claim_action(self, key: str, incident_id: str, node: str, action: str) -> tuple[ActionRecord, bool]:
-        """Write the intent. Returns (row, True) for a new claim; (existing row, False) otherwise.
+        """Write the intent. Returns (row, True) for a new claim, or for a failed one taken back
+        to try again; (existing row, False) otherwise.
 
         The unique key makes this safe across processes: two flow runs racing for the same
         fault get one claim between them.
@@ -419,7 +420,20 @@ class Store:
         with self.session() as s:
             existing = s.exec(select(ActionRecord).where(ActionRecord.key == key)).first()
             if existing is not None:
-                return existing, False
+                if existing.status != "failed":
+                    return existing, False
+                # The call raised: it is tried again, and taking the claim back is one
+                # conditional update, so two retrying runs still get one claim between them.
+                retake = (
+                    update(ActionRecord)
+                    .where(col(ActionRecord.key) == key)
+                    .where(col(ActionRecord.status) == "failed")
+                    .values(status="intent", intent_at=utcnow())
+                )
+                taken = s.exec(retake).rowcount == 1  # type: ignore[call-overload]
+                s.commit()
+                s.expire_all()
+                return s.exec(select(ActionRecord).where(ActionRecord.key == key)).one(), taken
             row = ActionRecord(
                 key=key,
                 incident_id=incident_id,
