@@ -26,9 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ import httpx
 
 from bench.flow_overhead import _policy_without_guardrails
 from bench.ingest import _free_port, _wait_ready, percentile
+from bench.prefect_server import prefect_on_postgres
 from bench.report import ms, num, table
 from medic.config import REPO_ROOT
 
@@ -146,55 +145,6 @@ class _Server:
                 raise RuntimeError(f"no {what}: {self.log.read_text(errors='replace')[-3000:]}")
             time.sleep(0.05)
         return found
-
-
-@contextmanager
-def prefect_on_postgres(directory: Path) -> Iterator[str]:
-    """A real `prefect server` on a fresh PostgreSQL database (production's setup); yields its API URL."""
-    from sqlalchemy import create_engine, text
-
-    database = f"medic_bench_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{database}"'))
-    base = POSTGRES_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql+psycopg", "postgresql+asyncpg")
-    port = _free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(directory / "prefect-server"),
-        "PREFECT_API_DATABASE_CONNECTION_URL": f"{base}/{database}",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "false",
-    }
-    log = directory / "prefect-server.log"
-    with log.open("wb") as output:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env=env,
-            stdout=output,
-            stderr=output,
-        )
-    api = f"http://127.0.0.1:{port}/api"
-    try:
-        deadline = time.monotonic() + 120
-        while not _answers(f"{api}/health"):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"prefect server did not start: {log.read_text(errors='replace')[-2000:]}")
-            time.sleep(0.5)
-        yield api
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
-        admin.dispose()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _event(event_id: str, kind: str, node: str, **fields: Any) -> dict[str, Any]:
@@ -353,7 +303,7 @@ def run() -> dict[str, Any]:
     faults, spacing = PACES[-1]
     with (
         tempfile.TemporaryDirectory(prefix="medic-bench-live-pg-") as tmp,
-        prefect_on_postgres(Path(tmp)) as api,
+        prefect_on_postgres(Path(tmp) / "prefect-server", POSTGRES_ADMIN_URL) as api,
     ):
         latency.append(("Prefect server on PostgreSQL", _latency(Path(tmp), api, faults, spacing)))
         trigger = Path(tmp) / "trigger"

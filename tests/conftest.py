@@ -4,10 +4,6 @@ and real PostgreSQL stores."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +13,6 @@ import pytest
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from integrations import registry
-from integrations.processes import free_port
 from integrations.registry import Backends
 from integrations.sim.fleet import SimFleet
 from medic.config import REPO_ROOT
@@ -44,71 +39,18 @@ def prefect_server(
     tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str
 ) -> Iterator[dict[str, str]]:
     """A `prefect server` process on a PostgreSQL database of its own, as a fleet runs it, with the
-    services automations need (events stored, triggers and their actions). Yields the environment
-    of its clients: `PREFECT_API_URL` and a `PREFECT_HOME` of their own."""
-    from sqlalchemy import create_engine, text
+    services automations need (bench/prefect_server.py). Yields the environment of its clients:
+    `PREFECT_API_URL` and a `PREFECT_HOME` of their own."""
+    from bench.prefect_server import prefect_on_postgres
 
-    database = f"medic_prefect_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(postgres_admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{database}"'))
-    pg_base = postgres_admin_url.rsplit("/", 1)[0].replace("postgresql+psycopg", "postgresql+asyncpg")
-    port = free_port()
     home = tmp_path_factory.mktemp("prefect-home")
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_DATABASE_CONNECTION_URL": f"{pg_base}/{database}",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "false",
-        "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "true",
-        "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "true",
-        "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "1",
-    }
-    log = (home / "server.log").open("w")
-    server = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "prefect"),
-            "server",
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    api = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            with urllib.request.urlopen(f"{api}/health", timeout=2) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            pass
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.5)
-    client_env = {
-        **os.environ,
-        "PREFECT_HOME": str(home),
-        "PREFECT_API_URL": api,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-    yield client_env
-    server.terminate()
-    try:
-        server.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.kill()
-    log.close()
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
-    admin.dispose()
+    with prefect_on_postgres(home / "server", postgres_admin_url) as api:
+        yield {
+            **os.environ,
+            "PREFECT_HOME": str(home),
+            "PREFECT_API_URL": api,
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        }
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from prefect.events.schemas.events import ReceivedEvent
 from prefect.events.worker import EventsWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from bench.prefect_server import answers
 from integrations.processes import free_port
 from medic.config import REPO_ROOT
 from medic.incidents import Incident
@@ -81,7 +82,7 @@ def test_the_trigger_runs_each_announced_incident_once_on_a_worker(
         "serve": [str(BIN / "medic"), "serve", "--port", str(port), "--dispatch", "prefect"],
     }
     with _running(commands, env, tmp_path / "logs") as logged:
-        _until("medic serve", lambda: _answers(f"http://127.0.0.1:{port}/healthz"), 60, logged)
+        _until("medic serve", lambda: answers(f"http://127.0.0.1:{port}/healthz"), 60, logged)
         _post_xid_79(port)
         incident = _until(
             "the incident", lambda: next(iter(postgres_store.find_incidents(node=NODE)), None), 30, logged
@@ -158,14 +159,6 @@ def _until(what: str, check: Callable[[], T | None], timeout_s: float, logged: C
         assert time.monotonic() < deadline, f"no {what} after {timeout_s} s\n{logged()}"
         time.sleep(0.5)
     return found
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 def _post_xid_79(port: int) -> None:
