@@ -84,12 +84,6 @@ def _summary(
     return "; ".join(parts)
 
 
-def _subject(triaged: Triage) -> str:
-    if triaged.scope == "switch":
-        return f"switch {triaged.node} ({len(triaged.nodes)} nodes)"
-    return triaged.node
-
-
 def _message(triaged: Triage, decision: Decision, summary: str) -> Message:
     body = f"{summary}\nDecision: rule `{decision.rule}` — {decision.reason}"
     problem = current().policy_problem
@@ -99,11 +93,11 @@ def _message(triaged: Triage, decision: Decision, summary: str) -> Message:
     return Message(
         incident=triaged.incident,
         channel=triaged.channel,
-        title=f"{decision.classification.value.capitalize()} fault on {_subject(triaged)}: {decision.action.value}",
+        title=f"{decision.classification.value.capitalize()} fault on {triaged.subject}: {decision.action.value}",
         body=body,
         recommend=tuple(decision.recommend),
         fields={
-            "node": ", ".join(triaged.nodes) if triaged.scope == "switch" else triaged.node,
+            "node": ", ".join(triaged.nodes),
             "gpu": "" if triaged.gpu is None else str(triaged.gpu),
             "jobs": ", ".join(triaged.jobs),
             "owner": triaged.owner or "",

@@ -87,8 +87,7 @@ def evaluate(rt: Runtime, incident_id: str) -> Decision:
         switch_sizes=switch_sizes(nodes),
         fleet_size=len(nodes),
     )
-    switch_wide = incident.scope == "switch"
-    out_of_service = not switch_wide and rt.backends.scheduler.node(incident.node).drained_by_medic
+    out_of_service = incident.scope == "node" and rt.backends.scheduler.node(incident.node).drained_by_medic
     facts = facts_of(incident, out_of_service=out_of_service, now=now, context=context)
     state = fleet_state(rt, policy, now, nodes)
     decision = guardrails.apply(

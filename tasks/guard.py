@@ -91,7 +91,7 @@ def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
                     LEASE_SECONDS,
                     ConcurrencyLeaseHolder(type="flow_run", id=holder),
                 )
-            break
+            return _lease_of(response)
         except httpx.HTTPStatusError as error:
             if error.response.status_code not in BUSY:
                 raise
@@ -100,6 +100,9 @@ def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
                 raise SlotUnavailable(f"no {NODE_ACTIONS_LIMIT} slot within the wait") from error
             time.sleep(min(_retry_after(error.response, pause), left))
             pause = min(pause * 2, 1.0)
+
+
+def _lease_of(response: httpx.Response) -> UUID:
     body = response.json()
     if not body.get("limits"):  # strict: a deleted limit must stop actions, not unleash them
         raise SlotUnavailable(f"the global concurrency limit {NODE_ACTIONS_LIMIT} does not exist")

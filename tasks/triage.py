@@ -18,6 +18,7 @@ class Triage(BaseModel):
     node: str  # the switch's name for a switch-wide incident
     nodes: list[str]
     scope: Scope = "node"
+    subject: str  # for people: the node, or `switch leaf-3 (32 nodes)`
     gpu: int | None
     jobs: list[str]
     owner: str | None
@@ -54,9 +55,8 @@ def triage(incident_id: str) -> Triage:
             flow_run_id=str(flow_run.id) if flow_run.id else None,
             flow_run_name=flow_run.name,
         )
-        where = f"{len(incident.nodes)} nodes under switch {incident.node}" if switch_wide else incident.node
         log.done(
-            f"{len(incident.events)} events on {where}; first answer {decision.action.value} "
+            f"{len(incident.events)} events on {incident.subject}; first answer {decision.action.value} "
             f"({decision.rule})",
             kinds=sorted({e.kind.value for e in incident.events}),
             jobs=jobs,
@@ -67,6 +67,7 @@ def triage(incident_id: str) -> Triage:
             node=incident.node,
             nodes=incident.nodes,
             scope=incident.scope,
+            subject=incident.subject,
             gpu=gpu,
             jobs=jobs,
             owner=owner,
