@@ -38,9 +38,9 @@ DEFAULT_INTERVAL_S = 15.0
 TARGET_CPU_PCT = 0.5
 TARGET_RSS_MB = 80.0
 CLOCK_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-LEAN = ["-m", "medic.cli.agent"]
-# What `medic agent` loads once the command is registered in medic/cli/app.py: the whole CLI first.
-FULL_CLI = ["-c", "import medic.cli.app, runpy; runpy.run_module('medic.cli.agent', run_name='__main__')"]
+LEAN = ["-m", "apps.cli.agent"]
+# What `medic agent` loads once the command is registered in apps/cli/app.py: the whole CLI first.
+FULL_CLI = ["-c", "import apps.cli.app, runpy; runpy.run_module('apps.cli.agent', run_name='__main__')"]
 
 
 def _cpu_s(pid: int) -> float:
@@ -150,7 +150,7 @@ def section(results: dict[str, Any]) -> str:
             f"< {TARGET_CPU_PCT} %: {'met' if at_15 < TARGET_CPU_PCT else 'MISSED'}",
         ),
         (
-            "RSS, `python -m medic.cli.agent` (peak)",
+            "RSS, `python -m apps.cli.agent` (peak)",
             f"{num(rss)} MB",
             f"< {TARGET_RSS_MB:g} MB: {'met' if rss < TARGET_RSS_MB else 'MISSED'}",
         ),

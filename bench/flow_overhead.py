@@ -170,8 +170,8 @@ def measure(out: Path, count: int = INCIDENTS) -> None:
     started = time.perf_counter()
     importlib.import_module("flows.remediate")  # imports Prefect: part of the cold start
     import_s = time.perf_counter() - started
+    from apps.cli.prefect_run import run_flows
     from flows.remediate import remediate
-    from medic.cli.prefect_run import run_flows
 
     work = Path(os.environ["MEDIC_BENCH_DIR"])
     results: dict[str, Any] = {"incidents": count, "import_s": import_s}

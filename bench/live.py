@@ -54,10 +54,10 @@ SWITCH_NODES = 32
 
 def serve(port: int, nodes: int, per_switch: int, policy: Path) -> None:
     """The server process: `medic serve`'s warm path with a simulated fleet of this shape."""
+    from apps.server.main import serve as run_server
     from flows.live import LiveDispatcher
     from integrations import registry
     from integrations.sim.fleet import SimFleet
-    from medic.server.main import serve as run_server
     from medic.store import Store
     from tasks.runtime import Runtime, configure
 

@@ -16,9 +16,10 @@ from prefect.input import RunInput
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from integrations.protocols import Message
 from medic.policy import Decision
 from medic.policy.model import DESTRUCTIVE
+from medic.protocols import Message
+from medic.statuses import IncidentStatus
 from tasks.node_ops import ensure_drained
 from tasks.runtime import current
 from tasks.triage import Triage
@@ -49,7 +50,7 @@ async def await_approval(triaged: Triage, decision: Decision) -> ApprovalOutcome
         # Keep new work off a suspect node while humans think about it.
         ensure_drained(rt, triaged.incident, triaged.node, f"{action} awaiting approval")
     request = rt.store.request_approval(triaged.incident, action)
-    rt.store.update_incident(triaged.incident, status="waiting for approval")
+    rt.store.update_incident(triaged.incident, status=IncidentStatus.WAITING_FOR_APPROVAL)
     run_id = str(flow_run.id) if flow_run.id else None
     try:
         rt.backends.notifier.post(

@@ -8,6 +8,7 @@ from datetime import timedelta
 from flows.remediate import Outcome, remediate
 from medic.incidents import Incident, correlate
 from medic.intake import Intake
+from medic.statuses import TERMINAL_INCIDENT_STATUSES, IncidentStatus
 from tasks import prefect_events
 from tasks.evidence import storms
 from tasks.reconcile import reconcile_intents
@@ -59,10 +60,12 @@ async def remediate_all(rt: Runtime, intake: Intake) -> Dispatch:
 async def remediate_one(rt: Runtime, incident: Incident) -> Outcome | None:
     """One flow run for a stored incident; None when it was already handled (replayed input)."""
     existing = rt.store.get_incident(incident.id)
-    if existing is not None and existing.status in ("closed", "escalated"):
+    if existing is not None and existing.status in TERMINAL_INCIDENT_STATUSES:
         return None
     try:
         return await remediate(incident_id=incident.id, node=incident.node)
     except Exception as error:  # recorded on the incident; the caller decides whether to go on
-        rt.store.update_incident(incident.id, status="failed", outcome=f"{type(error).__name__}: {error}")
+        rt.store.update_incident(
+            incident.id, status=IncidentStatus.FAILED, outcome=f"{type(error).__name__}: {error}"
+        )
         raise

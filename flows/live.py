@@ -28,6 +28,7 @@ import anyio
 from flows.dispatch import remediate_one
 from medic.events import FaultEvent
 from medic.incidents import Incident, Scope, Storms, correlate
+from medic.statuses import ACTIVE_INCIDENT_STATUSES, TERMINAL_INCIDENT_STATUSES
 from medic.store.tables import IncidentRecord
 from tasks import prefect_events
 from tasks.evidence import storms
@@ -35,7 +36,6 @@ from tasks.guard import ensure_limits
 from tasks.runtime import Runtime
 
 log = logging.getLogger("medic.live")
-ACTIVE = ("open", "remediating", "waiting for approval")
 
 
 class LiveDispatcher:
@@ -142,7 +142,11 @@ class LiveDispatcher:
         # A node's closed incident means the node was dealt with: its next fault is new trouble.
         # A switch's storm goes on after its incident is handed to the network team; until it
         # has been quiet for a window, more of it is more evidence, not a second incident.
-        statuses = ACTIVE if scope == "node" else (*ACTIVE, "closed", "escalated")
+        statuses = (
+            ACTIVE_INCIDENT_STATUSES
+            if scope == "node"
+            else ACTIVE_INCIDENT_STATUSES | TERMINAL_INCIDENT_STATUSES
+        )
         return self.rt.store.find_active_incident(subject, statuses, scope)
 
 

@@ -17,15 +17,16 @@ from pydantic import BaseModel
 
 from flows.approval import await_approval
 from flows.ladder import diagnose_ladder
-from integrations.protocols import Message
 from medic.audit import incident_markdown
 from medic.policy import Action, Decision
 from medic.policy.model import DESTRUCTIVE
+from medic.protocols import Message
+from medic.statuses import TERMINAL_INCIDENT_STATUSES, ActStatus, IncidentStatus
 from tasks.act import ActOutcome, act
 from tasks.close import close
 from tasks.decide import decide_incident
 from tasks.guard import ensure_limits
-from tasks.notify import notify, update
+from tasks.notify import IncidentThread
 from tasks.resume import ResumeOutcome, resume_job
 from tasks.runtime import current
 from tasks.stage import stage
@@ -106,10 +107,10 @@ def _message(triaged: Triage, decision: Decision, summary: str) -> Message:
     )
 
 
-def closing_status(acted: ActOutcome, verified: VerifyOutcome | None) -> str:
+def closing_status(acted: ActOutcome, verified: VerifyOutcome | None) -> IncidentStatus:
     """Escalated when the action did not happen or the node failed its verification."""
-    failed = acted.status == "escalated" or (verified is not None and not verified.passed)
-    return "escalated" if failed else "closed"
+    failed = acted.status == ActStatus.ESCALATED or (verified is not None and not verified.passed)
+    return IncidentStatus.ESCALATED if failed else IncidentStatus.CLOSED
 
 
 def outcome_of(
@@ -145,44 +146,11 @@ def _evidence(incident_id: str) -> str:
     return f"{len(events)} events ({', '.join(kinds)})"
 
 
-class _Thread:
-    """The incident's chat thread: one head message, then one reply per step. Never raises.
-
-    The head goes out when something first needs the thread, not at the start: on the plain
-    path that is after the node action, so a slow chat API never delays taking a bad node out.
-    """
-
-    def __init__(self, incident_id: str, head: Message) -> None:
-        self.incident_id, self.head = incident_id, head
-        self.ref: str | None = None
-        self.opened = False
-        self.ok = True
-
-    async def open(self) -> None:
-        if self.opened:
-            return
-        self.opened = True
-        state: State[str] = notify(self.head, return_state=True)
-        if state.is_completed():
-            self.ref = await state.result()
-            return
-        self.ok = False
-        get_run_logger().error("notification failed, remediation goes on: %s", state.message)
-
-    async def say(self, text: str) -> None:
-        await self.open()
-        if self.ref is None:
-            return
-        if not update(self.incident_id, self.ref, text, return_state=True).is_completed():
-            self.ok = False
-            get_run_logger().error("thread update failed, remediation goes on")
-
-
 @flow(name="remediate-incident", flow_run_name=_run_name, log_prints=False, persist_result=False)
 async def remediate(incident_id: str, node: str) -> Outcome:
     logger = get_run_logger()
     record = current().store.get_incident(incident_id)
-    if record is not None and record.status in ("closed", "escalated"):
+    if record is not None and record.status in TERMINAL_INCIDENT_STATUSES:
         # A second start for one incident (a trigger fired twice, a run restarted): nothing twice.
         logger.info("incident %s is already %s; nothing to do", incident_id, record.status)
         return Outcome(
@@ -192,13 +160,13 @@ async def remediate(incident_id: str, node: str) -> Outcome:
             action=record.action or "none",
             rule=record.rule or "-",
             reason="already handled",
-            act="skipped",
+            act=ActStatus.SKIPPED,
             summary=f"already {record.status}: {record.outcome or ''}",
         )
     await ensure_limits()
     triaged = triage(incident_id)
     decision, seen = triaged.decision, []
-    thread = _Thread(incident_id, _message(triaged, decision, f"Evidence: {_evidence(incident_id)}"))
+    thread = IncidentThread(incident_id, _message(triaged, decision, f"Evidence: {_evidence(incident_id)}"))
     if decision.action is Action.DIAGNOSE:
         await thread.open()  # a ladder can take an hour: people hear of the fault first
         ladder = await diagnose_ladder(incident_id, node, decision)
@@ -230,7 +198,7 @@ async def remediate(incident_id: str, node: str) -> Outcome:
     else:
         # Retries exhausted: never silently dropped — the incident escalates with the error.
         acted = ActOutcome(
-            action=decision.action, status="escalated", detail=f"action failed: {state.message}"
+            action=decision.action, status=ActStatus.ESCALATED, detail=f"action failed: {state.message}"
         )
     await thread.say(
         f"Decision: {decision.action.value} (rule `{decision.rule}`) — {acted.status}: {acted.detail}"
@@ -248,7 +216,7 @@ async def remediate(incident_id: str, node: str) -> Outcome:
                 logger.error("job %s did not resume: %s", job, job_state.message)
 
     verified = None
-    if acted.status == "done" and decision.action in DESTRUCTIVE:
+    if acted.status == ActStatus.DONE and decision.action in DESTRUCTIVE:
         verified = verify(incident_id, node, current().policy().policy.defaults.verify_level)
         await thread.say(verified.detail)
 

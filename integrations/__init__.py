@@ -1,1 +1,1 @@
-"""Outside systems, each behind a small Protocol (integrations/protocols.py)."""
+"""Outside systems, each behind a small Protocol (medic/protocols.py)."""

@@ -3,6 +3,10 @@
 botocore retries a few times on its own; this outer layer rides out sustained throttling (a remediation
 storm hitting the account's API rate) with longer, logged pauses, and then gives up so the caller can
 report the failure instead of hanging.
+
+With botocore's beneath it, this is the one layer that retries a single AWS call: whatever error
+ends the call leaves as the `AwsApiError` of its branch (`aws_errors.py`), still a `ClientError`, so the
+task layer knows whether one more try of the whole action can help (docs/decisions/0004).
 """
 
 from __future__ import annotations
@@ -15,38 +19,12 @@ from typing import Any, TypeVar
 
 from botocore.exceptions import ClientError
 
+from integrations.aws_errors import THROTTLING_CODES, api_error, error_code, is_throttling
+
+__all__ = ["THROTTLING_CODES", "Retrier", "RetryPolicy", "error_code", "is_throttling"]
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# The error codes AWS services use for "slow down" (the same set botocore's standard retry mode treats
-# as throttling; its own list is private, so it is not imported).
-THROTTLING_CODES = frozenset(
-    {
-        "Throttling",
-        "ThrottlingException",
-        "ThrottledException",
-        "RequestThrottledException",
-        "TooManyRequestsException",
-        "ProvisionedThroughputExceededException",
-        "TransactionInProgressException",
-        "RequestLimitExceeded",
-        "BandwidthLimitExceeded",
-        "LimitExceededException",
-        "RequestThrottled",
-        "SlowDown",
-        "PriorRequestNotComplete",
-        "EC2ThrottledException",
-    }
-)
-
-
-def error_code(error: ClientError) -> str:
-    return str(error.response.get("Error", {}).get("Code", "Unknown"))
-
-
-def is_throttling(error: ClientError) -> bool:
-    status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    return error_code(error) in THROTTLING_CODES or status == 429
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,14 +56,15 @@ class Retrier:
         self._random = unit_random
 
     def call(self, fn: Callable[..., T], /, **kwargs: Any) -> T:
-        """`fn(**kwargs)`, retried while AWS throttles it; the last throttling error is re-raised."""
+        """`fn(**kwargs)`, retried while AWS throttles it. The error that ends it (the last throttling
+        error, or any other at once) is raised as the `AwsApiError` of its branch."""
         retry = 0
         while True:
             try:
                 return fn(**kwargs)
             except ClientError as error:
                 if not is_throttling(error) or retry + 1 >= self.policy.attempts:
-                    raise
+                    raise api_error(error) from error
                 pause = self.policy.delay(retry, self._random())
                 log.warning(
                     "%s throttled (%s); retry %d of %d in %.2f s",

@@ -20,7 +20,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from integrations.protocols import Checkpoint
+from medic.errors import PermanentError
+from medic.protocols import Checkpoint
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -31,8 +32,8 @@ METADATA_FILE = ".metadata"  # the name DCP's FileSystemWriter gives it
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
-class IncompleteCheckpoint(Exception):
-    """Why a step folder cannot be resumed from."""
+class IncompleteCheckpoint(PermanentError):
+    """Raised when a step folder cannot be resumed from, saying why (the store skips to an older one)."""
 
 
 def step_dir_name(step: int) -> str:

@@ -10,6 +10,9 @@ launches a replacement; `wait_ready` then waits for the new InService instance, 
 when the node was found by its name tag, tags the replacement with the same name so that later processes
 find it too. An instance in no group is terminated and nothing replaces it. EC2 has no GPU reset API:
 `reset_gpu` reboots the instance, which resets every GPU in it, and says so in its result.
+
+A failed AWS call leaves as the `AwsApiError` of its branch (aws_retry.py, aws_errors.py); botocore's
+own errors without an AWS answer (a read timeout: the reboot may have happened) stay unknown.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from botocore.client import BaseClient
 from integrations.aws_clients import aws_client, node_map
 from integrations.aws_retry import Retrier, RetryPolicy
 from integrations.polling import poll
-from integrations.provider_errors import ProviderError, UnknownNodeError
+from integrations.provider_errors import ActionRefusedError, AmbiguousNodeError, UnknownNodeError
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +112,7 @@ class Ec2Provider:
         (details,) = described["AutoScalingGroups"]
         suspended = REPLACING_PROCESSES & {p["ProcessName"] for p in details.get("SuspendedProcesses", [])}
         if suspended:
-            raise ProviderError(
+            raise ActionRefusedError(
                 f"{node} ({instance_id}) not marked Unhealthy: Auto Scaling group {group} has"
                 f" {', '.join(sorted(suspended))} suspended, so it would not be replaced"
             )
@@ -147,7 +150,7 @@ class Ec2Provider:
         on), or None if none is InService and Healthy within `timeout_s`."""
         pending = self._pending.get(node)
         if pending is None:
-            raise ProviderError(f"no replacement of {node} is pending")
+            raise ActionRefusedError(f"no replacement of {node} is pending")
         new_id = poll(
             lambda: self._replacement(pending), timeout_s, self._poll_interval_s, self._sleep, self._clock
         )
@@ -228,7 +231,7 @@ class Ec2Provider:
                 i["InstanceId"] for i in self._instances(Filters=[{"Name": filter_name, "Values": values}])
             ]
             if len(found) > 1:
-                raise ProviderError(
+                raise AmbiguousNodeError(
                     f"{node!r} is ambiguous: {filter_name} matches {', '.join(sorted(found))}"
                 )
             if found:

@@ -7,8 +7,10 @@ first label (ip-10-1-2-3, the node name HyperPod's Slurm uses).
 
 BatchRebootClusterNodes / BatchReplaceClusterNodes take at most 25 ids per call and report failures per
 node; the batch methods chunk, validate ids before sending (botocore does not check the id pattern), and
-return one outcome per node. Throttled calls are retried with backoff (aws_retry.py). HyperPod has no GPU
-reset API: `reset_gpu` reboots the node, which resets every GPU in it, and says so in its result.
+return one outcome per node, marked transient, permanent or unknown (aws_errors.py); `reboot` and
+`replace` raise the NodeActionError of that branch. Throttled calls are retried with backoff
+(aws_retry.py). HyperPod has no GPU reset API: `reset_gpu` reboots the node, which resets every GPU in
+it, and says so in its result.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ from botocore.client import BaseClient
 from botocore.exceptions import BotoCoreError, ClientError
 
 from integrations.aws_clients import aws_client, node_map
+from integrations.aws_errors import branch_of, node_action_error, transient
 from integrations.aws_retry import Retrier, RetryPolicy, error_code, is_throttling
 from integrations.polling import poll
-from integrations.provider_errors import InvalidNodeIdError, NodeActionError, UnknownNodeError
+from integrations.provider_errors import InvalidNodeIdError, UnknownNodeError
 
 log = logging.getLogger(__name__)
+# Why one node of a batch failed: AWS error code, message, and whether retrying may help.
+_Failure = tuple[str, str, bool | None]
 
 CLUSTER_VAR = "MEDIC_HYPERPOD_CLUSTER"
 REBOOT = "BatchRebootClusterNodes"
@@ -45,6 +50,8 @@ class NodeOutcome:
     ok: bool
     detail: str
     code: str | None = None  # the AWS error code when not ok
+    # When not ok: True, trying again may help; False, it cannot; None, unknown (aws_errors.py).
+    transient: bool | None = None
 
 
 class HyperPodProvider:
@@ -145,7 +152,7 @@ class HyperPodProvider:
             self._check_id(node_id)
         unique = list(dict.fromkeys(ids.values()))
         limit = self._limits[operation]
-        errors: dict[str, tuple[str, str] | None] = {}
+        errors: dict[str, _Failure | None] = {}
         for start in range(0, len(unique), limit):
             errors.update(self._send(operation, unique[start : start + limit]))
         outcomes = {}
@@ -157,11 +164,12 @@ class HyperPodProvider:
                 ok=error is None,
                 code=error[0] if error else None,
                 detail=error[1] if error else f"HyperPod accepted the {what} of {node} ({node_id})",
+                transient=error[2] if error else None,
             )
         return outcomes
 
-    def _send(self, operation: str, chunk: list[str]) -> dict[str, tuple[str, str] | None]:
-        """One API call; each id of the chunk maps to None (accepted) or (error code, message)."""
+    def _send(self, operation: str, chunk: list[str]) -> dict[str, _Failure | None]:
+        """One API call; each id of the chunk maps to None (accepted) or (error code, message, branch)."""
         try:
             response = self._retrier.call(
                 getattr(self.client, xform_name(operation)), ClusterName=self.cluster_name, NodeIds=chunk
@@ -170,12 +178,16 @@ class HyperPodProvider:
             message = error.response.get("Error", {}).get("Message", str(error))
             if is_throttling(error):
                 message = f"still throttled after {self._retrier.policy.attempts} attempts: {message}"
-            return dict.fromkeys(chunk, (error_code(error), message))
+            return dict.fromkeys(chunk, (error_code(error), message, branch_of(error)))
         except BotoCoreError as error:  # no usable answer (network, credentials): the outcome is unknown
-            return dict.fromkeys(chunk, (type(error).__name__, str(error)))
-        failed = {f["NodeId"]: (f["ErrorCode"], f["Message"]) for f in response.get("Failed", [])}
+            name = type(error).__name__  # unless the connection was never made (aws_errors.py)
+            return dict.fromkeys(chunk, (name, str(error), transient(name)))
+        failed = {
+            f["NodeId"]: (f["ErrorCode"], f["Message"], transient(f["ErrorCode"]))
+            for f in response.get("Failed", [])
+        }
         succeeded = set(response.get("Successful", []))
-        unreported = ("NotReported", f"{operation} listed this node neither as done nor as failed")
+        unreported = ("NotReported", f"{operation} listed this node neither as done nor as failed", None)
         return {
             node_id: failed.get(node_id, None if node_id in succeeded else unreported) for node_id in chunk
         }
@@ -248,5 +260,5 @@ def _names(summary: Mapping[str, Any]) -> list[str]:
 def _only(outcomes: Mapping[str, NodeOutcome], node: str) -> str:
     outcome = outcomes[node]
     if not outcome.ok:
-        raise NodeActionError(node, outcome.code or "Unknown", outcome.detail)
+        raise node_action_error(node, outcome.code or "Unknown", outcome.detail, outcome.transient)
     return outcome.detail

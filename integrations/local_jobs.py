@@ -27,10 +27,10 @@ from typing import Any
 
 from integrations.checkpoints import latest_in_directory
 from integrations.processes import descendants, free_port, kill, start_time, wait_gone
-from integrations.protocols import JobInfo, JobState, NodeInfo, NodeState
 from integrations.sim.fleet import SimFleet, SimJob
 from integrations.sim.scheduler import SimScheduler
 from medic.config import REPO_ROOT
+from medic.protocols import JobInfo, JobState, NodeInfo, NodeState
 
 STOP_TIMEOUT_S = 30.0
 TRAIN_SCRIPT = REPO_ROOT / "deployments" / "training" / "train.py"

@@ -19,7 +19,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from integrations.protocols import CheckpointStore, Diagnostics, NodeProvider, Notifier, Scheduler
 from integrations.sim.checkpoints import SimCheckpoints
 from integrations.sim.diagnostics import SimDiagnostics
 from integrations.sim.fleet import SimFleet
@@ -27,10 +26,12 @@ from integrations.sim.notifier import RecordingNotifier
 from integrations.sim.provider import SimProvider
 from integrations.sim.scheduler import SimScheduler
 from medic.config import Settings
+from medic.errors import PermanentError
+from medic.protocols import CheckpointStore, Diagnostics, NodeProvider, Notifier, Scheduler
 
 
-class BackendError(ValueError):
-    pass
+class BackendError(PermanentError, ValueError):
+    """Raised when the configuration names a backend that does not exist or cannot be built."""
 
 
 @dataclass(slots=True)

@@ -84,8 +84,9 @@ class StormRule:
         enough = self.nodes_at_least is not None and nodes >= self.nodes_at_least
         share = (
             self.fraction_at_least is not None
-            and bool(switch_size)
-            and nodes / switch_size >= self.fraction_at_least  # type: ignore[operator]
+            and switch_size is not None
+            and switch_size > 0
+            and nodes / switch_size >= self.fraction_at_least
         )
         return enough or share
 
@@ -147,9 +148,10 @@ def _switch_storms(
 ) -> tuple[list[Incident], set[str]]:
     by_switch: dict[str, list[FaultEvent]] = defaultdict(list)
     for event in ordered:
-        if storms.counts(event):
-            by_switch[event.switch].append(event)  # type: ignore[index]
-    incidents, taken = [], set()
+        if event.switch is not None and storms.counts(event):
+            by_switch[event.switch].append(event)
+    incidents: list[Incident] = []
+    taken: set[str] = set()
     for switch, candidates in by_switch.items():
         for burst in _bursts(candidates, window):
             if storms.is_storm(switch, burst):

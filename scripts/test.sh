@@ -29,4 +29,6 @@ fi
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/lint-imports --no-cache  # the layers (pyproject.toml, docs/architecture.md)
+.venv/bin/mypy  # the domain's types
 exec .venv/bin/pytest "$@"

@@ -7,28 +7,32 @@ from pydantic import BaseModel
 
 from medic.policy import Action, Decision
 from medic.policy.model import DESTRUCTIVE
+from medic.statuses import ACT_DONE_STATUSES, ActionStatus, ActStatus, StepStatus
 from medic.store.tables import ActionRecord
 from tasks import prefect_events
 from tasks.guard import guarded
 from tasks.node_ops import ensure_drained, resume_node
+from tasks.retry import transient_only
 from tasks.runtime import Runtime, current
 from tasks.stage import stage
 
 
 class ActOutcome(BaseModel):
     action: Action
-    status: str  # done | skipped | already-done | escalated
+    status: ActStatus
     detail: str
 
     @property
     def took_node_out(self) -> bool:
-        return self.status in ("done", "already-done") and self.action in DESTRUCTIVE | {Action.DRAIN}
+        return self.status in ACT_DONE_STATUSES and self.action in DESTRUCTIVE | {Action.DRAIN}
 
 
 def _stopped(action: Action, stopped: tuple[str, str]) -> ActOutcome:
     name, why = stopped
     return ActOutcome(
-        action=action, status="escalated", detail=f"stopped by guardrail {name} at the last check: {why}"
+        action=action,
+        status=ActStatus.ESCALATED,
+        detail=f"stopped by guardrail {name} at the last check: {why}",
     )
 
 
@@ -36,7 +40,7 @@ def _destructive(rt: Runtime, incident_id: str, node: str, gpu: int | None, deci
     action = decision.action
     key = f"{incident_id}:{node}:{action.value}"
     row = rt.store.get_action(key)
-    if row is not None and row.status != "failed":  # a failed call is tried again below
+    if row is not None and row.status != ActionStatus.FAILED:  # a failed call is tried again below
         return _claimed_before(action, node, row)
     with guarded(rt, node, decision) as stopped:
         if stopped:
@@ -49,15 +53,15 @@ def _destructive(rt: Runtime, incident_id: str, node: str, gpu: int | None, deci
 
 def _claimed_before(action: Action, node: str, row: ActionRecord) -> ActOutcome:
     """The fault's action was claimed already: never a second reboot or replacement for it."""
-    if row.status == "succeeded":
+    if row.status == ActionStatus.SUCCEEDED:
         return ActOutcome(
-            action=action, status="already-done", detail=f"{action.value} already done: {row.detail}"
+            action=action, status=ActStatus.ALREADY_DONE, detail=f"{action.value} already done: {row.detail}"
         )
     # An earlier attempt died between intent and outcome (reconciliation could not tell whether
     # the node was hit), or another run is at it right now: repeating it blind is worse than asking.
     return ActOutcome(
         action=action,
-        status="escalated",
+        status=ActStatus.ESCALATED,
         detail=f"another {action.value} of {node} for this fault has not reported back ({row.status}); "
         "not repeating it blind",
     )
@@ -76,13 +80,13 @@ def _call_provider(
         else:
             done = provider.replace(node)
     except Exception as error:
-        rt.store.finish_action(key, "failed", f"{type(error).__name__}: {error}")
+        rt.store.finish_action(key, ActionStatus.FAILED, f"{type(error).__name__}: {error}")
         raise
-    rt.store.finish_action(key, "succeeded", done)
-    return ActOutcome(action=action, status="done", detail=f"{drained}; {done}")
+    rt.store.finish_action(key, ActionStatus.SUCCEEDED, done)
+    return ActOutcome(action=action, status=ActStatus.DONE, detail=f"{drained}; {done}")
 
 
-@task(name="act", retries=2, retry_delay_seconds=1, timeout_seconds=1800)
+@task(name="act", retries=2, retry_delay_seconds=1, retry_condition_fn=transient_only, timeout_seconds=1800)
 def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> ActOutcome:
     rt = current()
     with stage(rt.store, incident_id, f"act: {decision.action.value}") as log:
@@ -95,20 +99,26 @@ def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> Act
                     _stopped(action, stopped)
                     if stopped
                     else ActOutcome(
-                        action=action, status="done", detail=ensure_drained(rt, incident_id, node, "drain")
+                        action=action,
+                        status=ActStatus.DONE,
+                        detail=ensure_drained(rt, incident_id, node, "drain"),
                     )
                 )
         elif action is Action.REINTEGRATE:
-            outcome = ActOutcome(action=action, status="done", detail=resume_node(rt, incident_id, node))
+            outcome = ActOutcome(
+                action=action, status=ActStatus.DONE, detail=resume_node(rt, incident_id, node)
+            )
         elif action is Action.ESCALATE:
             outcome = ActOutcome(
-                action=action, status="escalated", detail="handed to humans; node not touched"
+                action=action, status=ActStatus.ESCALATED, detail="handed to humans; node not touched"
             )
         else:
-            outcome = ActOutcome(action=action, status="skipped", detail=f"{node} left alone")
-        if outcome.status != "skipped":
+            outcome = ActOutcome(action=action, status=ActStatus.SKIPPED, detail=f"{node} left alone")
+        if outcome.status != ActStatus.SKIPPED:
             prefect_events.action_taken(incident_id, node, action.value, outcome.status, outcome.detail)
         log.done(
-            outcome.detail, status="skipped" if outcome.status == "skipped" else "ok", result=outcome.status
+            outcome.detail,
+            status=StepStatus.SKIPPED if outcome.status == ActStatus.SKIPPED else StepStatus.OK,
+            result=outcome.status,
         )
         return outcome

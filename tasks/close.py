@@ -7,15 +7,17 @@ from dataclasses import asdict
 from prefect import task
 
 from medic.goodput import incident_costs
+from medic.statuses import IncidentStatus
 from medic.store import utcnow
 from medic.store.tables import GoodputRecord
 from tasks import prefect_events
+from tasks.retry import transient_only
 from tasks.runtime import current
 from tasks.stage import stage
 
 
-@task(name="close", retries=2, retry_delay_seconds=1, timeout_seconds=30)
-def close(incident_id: str, outcome: str, status: str = "closed") -> None:
+@task(name="close", retries=2, retry_delay_seconds=1, retry_condition_fn=transient_only, timeout_seconds=30)
+def close(incident_id: str, outcome: str, status: str = IncidentStatus.CLOSED) -> None:
     rt = current()
     with stage(rt.store, incident_id, "close") as log:
         record = rt.store.update_incident(incident_id, status=status, closed_at=utcnow(), outcome=outcome)

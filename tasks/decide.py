@@ -6,11 +6,12 @@ from prefect import task
 
 from medic.policy import Decision
 from tasks.evidence import evaluate
+from tasks.retry import transient_only
 from tasks.runtime import current
 from tasks.stage import stage
 
 
-@task(name="decide", timeout_seconds=30, retries=2, retry_delay_seconds=1)
+@task(name="decide", timeout_seconds=30, retries=2, retry_delay_seconds=1, retry_condition_fn=transient_only)
 def decide_incident(incident_id: str) -> Decision:
     rt = current()
     with stage(rt.store, incident_id, "decide") as log:

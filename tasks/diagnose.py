@@ -9,6 +9,7 @@ from medic.events import FaultEvent
 from medic.store import utcnow
 from tasks.evidence import record_diagnostic
 from tasks.node_ops import ensure_drained
+from tasks.retry import transient_only
 from tasks.runtime import current
 from tasks.stage import stage
 
@@ -23,7 +24,7 @@ class DiagnosticOutcome(BaseModel):
     detail: str
 
 
-@task(name="diagnose", retries=1, retry_delay_seconds=2)
+@task(name="diagnose", retries=1, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def diagnose(incident_id: str, node: str, level: int) -> DiagnosticOutcome:
     rt = current()
     with stage(rt.store, incident_id, f"diagnose L{level}") as log:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections import Counter
 from datetime import datetime, timedelta
 
-from integrations.protocols import DiagnosticResult, NodeInfo
 from medic.context import Context
 from medic.facts import HISTORY_WINDOW, facts_of
-from medic.incidents import Incident, Storms
+from medic.incidents import Incident, Scope, Storms
 from medic.policy import Decision, decide, guardrails
 from medic.policy.guardrails import HOUR, FleetState
 from medic.policy.model import DESTRUCTIVE, Policy
+from medic.protocols import DiagnosticResult, NodeInfo
 from medic.store import utcnow
 from medic.store.tables import DiagnosticRecord
 from tasks.runtime import Runtime
@@ -22,7 +22,8 @@ def load_incident(rt: Runtime, incident_id: str) -> Incident:
     if record is None:
         raise LookupError(f"incident {incident_id} is not in the store")
     events = rt.store.incident_events(incident_id)
-    incident = Incident(id=incident_id, node=record.node, events=events, scope=record.scope)  # type: ignore[arg-type]
+    scope: Scope = "switch" if record.scope == "switch" else "node"
+    incident = Incident(id=incident_id, node=record.node, events=events, scope=scope)
     if incident.scope == "switch":
         return incident  # a switch has no remediation history of its own
     # History before this incident only: our own actions for it are not "repeat" evidence.

@@ -25,6 +25,7 @@ from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
+from medic.errors import MedicError, PermanentError, TransientError
 from medic.policy import Decision, guardrails
 from medic.store import utcnow
 from tasks.evidence import fleet_state
@@ -63,8 +64,16 @@ def guarded(rt: Runtime, node: str, decision: Decision) -> Iterator[tuple[str, s
         yield recheck()
 
 
-class SlotUnavailable(RuntimeError):
-    pass
+class SlotUnavailable(MedicError, RuntimeError):
+    """Raised when the `medic-node-actions` slot cannot be had; the subclasses say why."""
+
+
+class SlotBusy(SlotUnavailable, TransientError):
+    """Raised when other runs held the slot for the whole wait: the action was not attempted."""
+
+
+class SlotLimitMissing(SlotUnavailable, PermanentError):
+    """Raised when the global concurrency limit does not exist: strict, so actions stop until it does."""
 
 
 @contextmanager
@@ -97,7 +106,7 @@ def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
                 raise
             left = deadline - time.monotonic()
             if left <= 0:
-                raise SlotUnavailable(f"no {NODE_ACTIONS_LIMIT} slot within the wait") from error
+                raise SlotBusy(f"no {NODE_ACTIONS_LIMIT} slot within the wait") from error
             time.sleep(min(_retry_after(error.response, pause), left))
             pause = min(pause * 2, 1.0)
 
@@ -105,7 +114,7 @@ def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
 def _lease_of(response: httpx.Response) -> UUID:
     body = response.json()
     if not body.get("limits"):  # strict: a deleted limit must stop actions, not unleash them
-        raise SlotUnavailable(f"the global concurrency limit {NODE_ACTIONS_LIMIT} does not exist")
+        raise SlotLimitMissing(f"the global concurrency limit {NODE_ACTIONS_LIMIT} does not exist")
     return UUID(body["lease_id"])
 
 

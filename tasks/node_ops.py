@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from integrations.protocols import NodeState
+from medic.protocols import NodeState
 from tasks.runtime import Runtime
 
 

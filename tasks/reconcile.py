@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from integrations.protocols import BootClock
+from medic.protocols import BootClock
 from tasks.runtime import Runtime
 
 REBOOTING = frozenset({"reboot", "replace"})

@@ -7,8 +7,9 @@ import time
 from prefect import task
 from pydantic import BaseModel
 
-from integrations.protocols import JobInfo, JobState
+from medic.protocols import JobInfo, JobState
 from medic.store import utcnow
+from tasks.retry import transient_only
 from tasks.runtime import Runtime, current
 from tasks.stage import stage
 
@@ -46,7 +47,13 @@ def _progressed(rt: Runtime, job: str, info: JobInfo, floor: int) -> bool:
     return (_checkpoint_step(rt, job) or 0) > floor or info.restarts > 0
 
 
-@task(name="resume job", retries=1, retry_delay_seconds=2, timeout_seconds=1800)
+@task(
+    name="resume job",
+    retries=1,
+    retry_delay_seconds=2,
+    retry_condition_fn=transient_only,
+    timeout_seconds=1800,
+)
 def resume_job(incident_id: str, job: str, exclude: list[str], wait_s: float = 900) -> ResumeOutcome:
     rt = current()
     with stage(rt.store, incident_id, "resume job") as log:

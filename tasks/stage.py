@@ -7,16 +7,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from medic.statuses import StepStatus
 from medic.store import Store, utcnow
 
 
 @dataclass(slots=True)
 class StageLog:
     summary: str = ""
-    status: str = "ok"  # ok | skipped | failed
+    status: str = StepStatus.OK
     detail: dict[str, Any] = field(default_factory=dict)
 
-    def done(self, summary: str, status: str = "ok", **detail: Any) -> None:
+    def done(self, summary: str, status: str = StepStatus.OK, **detail: Any) -> None:
         self.summary, self.status = summary, status
         self.detail.update(detail)
 
@@ -29,6 +30,8 @@ def stage(store: Store, incident_id: str, name: str) -> Iterator[StageLog]:
     try:
         yield log
     except Exception as error:
-        store.add_step(incident_id, name, started, "failed", f"{type(error).__name__}: {error}", log.detail)
+        store.add_step(
+            incident_id, name, started, StepStatus.FAILED, f"{type(error).__name__}: {error}", log.detail
+        )
         raise
     store.add_step(incident_id, name, started, log.status, log.summary, log.detail)

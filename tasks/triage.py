@@ -9,6 +9,7 @@ from pydantic import BaseModel
 from medic.incidents import Scope
 from medic.policy import Decision
 from tasks.evidence import evaluate, load_incident
+from tasks.retry import transient_only
 from tasks.runtime import current
 from tasks.stage import stage
 
@@ -27,7 +28,7 @@ class Triage(BaseModel):
     decision: Decision
 
 
-@task(name="triage", timeout_seconds=60, retries=2, retry_delay_seconds=1)
+@task(name="triage", timeout_seconds=60, retries=2, retry_delay_seconds=1, retry_condition_fn=transient_only)
 def triage(incident_id: str) -> Triage:
     rt = current()
     with stage(rt.store, incident_id, "triage") as log:

@@ -7,6 +7,7 @@ from pydantic import BaseModel
 
 from tasks.evidence import record_diagnostic
 from tasks.node_ops import resume_node
+from tasks.retry import transient_only
 from tasks.runtime import current
 from tasks.stage import stage
 
@@ -16,7 +17,9 @@ class VerifyOutcome(BaseModel):
     detail: str
 
 
-@task(name="verify", retries=1, retry_delay_seconds=2, timeout_seconds=3600)
+@task(
+    name="verify", retries=1, retry_delay_seconds=2, retry_condition_fn=transient_only, timeout_seconds=3600
+)
 def verify(incident_id: str, node: str, level: int, ready_timeout_s: float = 1800) -> VerifyOutcome:
     rt = current()
     with stage(rt.store, incident_id, f"verify L{level}") as log:

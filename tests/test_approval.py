@@ -12,16 +12,16 @@ from typing import Any
 from uuid import UUID
 
 import pytest
+from factories import fault_event
 from prefect.client.orchestration import get_client
 from prefect.flow_runs import resume_flow_run
 
 from flows.dispatch import Dispatch, remediate_all
-from integrations.protocols import NodeState
 from integrations.sim.fleet import SimFleet
 from integrations.sim.notifier import RecordingNotifier
 from medic.config import REPO_ROOT
-from medic.events import FaultEvent
 from medic.intake import read_lines
+from medic.protocols import NodeState
 from tasks.runtime import Runtime
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -51,15 +51,7 @@ def set_timeout(rt: Runtime, minutes: float) -> None:
 
 
 def xid79(node: str) -> list[str]:
-    event = {
-        "id": f"appr-{node}",
-        "time": datetime.now(UTC).isoformat(),
-        "source": "t",
-        "kind": "xid",
-        "node": node,
-        "attributes": {"code": 79},
-    }
-    return [FaultEvent.model_validate(event).model_dump_json()]
+    return [fault_event(id=f"appr-{node}", node=node, at=datetime.now(UTC)).model_dump_json()]
 
 
 def run_in_background(rt: Runtime, lines: list[str]) -> tuple[threading.Thread, dict[str, Any]]:

@@ -30,7 +30,7 @@ from integrations.checkpoints import (
     lost_work_seconds,
     step_dir_name,
 )
-from integrations.protocols import Checkpoint, CheckpointStore
+from medic.protocols import Checkpoint, CheckpointStore
 
 JOB = "reference-train"
 BUCKET = "checkpoints"

@@ -11,7 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from medic.cli.dcgm import dcgm_app
+from apps.cli.dcgm import dcgm_app
 from medic.config import REPO_ROOT
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"

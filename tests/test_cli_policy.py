@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from medic.cli.app import app
+from apps.cli.app import app
 from medic.config import REPO_ROOT
 from medic.events import EventKind, FaultEvent
 from medic.policy import load_policy

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from medic.cli.app import app
+from apps.cli.app import app
 from medic.config import REPO_ROOT
 from medic.store import Store
 

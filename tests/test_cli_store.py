@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import fault_event
 from typer.testing import CliRunner
 
-from medic.cli.app import app
-from medic.events import FaultEvent
+from apps.cli.app import app
 from medic.incidents import Incident, correlate
 from medic.policy.model import Action, Classification, Decision
 from medic.store import Store
@@ -46,13 +46,6 @@ class Seeded:
     old: Incident  # gpu-003, job j-3, owner alice, 3 days ago
 
 
-def ev(event_id: str, node: str, at: datetime, kind: str = "xid", **fields: Any) -> FaultEvent:
-    attributes = fields.pop("attributes", {"code": 79} if kind == "xid" else {})
-    return FaultEvent(
-        id=event_id, time=at, source="test", kind=kind, node=node, attributes=attributes, **fields
-    )
-
-
 @pytest.fixture
 def seeded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Seeded:
     url = f"sqlite:///{tmp_path / 'medic.db'}"
@@ -61,11 +54,11 @@ def seeded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Seeded:
     monkeypatch.setenv("COLUMNS", "400")  # rich must not fold ids across lines
     now = datetime.now(UTC).replace(microsecond=0)
     events = [
-        ev("bus-1", "gpu-001", now - timedelta(minutes=10), gpu=3, job="j-1"),
-        ev("bus-2", "gpu-001", now - timedelta(minutes=9), gpu=3, job="j-1"),
-        ev("mix-1", "gpu-002", now - timedelta(minutes=20), kind="nan_loss", job="j-1", rank=0),
-        ev("mix-2", "gpu-002", now - timedelta(minutes=19), kind="nccl_timeout", job="j-2", rank=8),
-        ev("old-1", "gpu-003", now - timedelta(days=3), kind="node_unreachable", job="j-3"),
+        fault_event(id="bus-1", node="gpu-001", at=now, minutes=-10, gpu=3, job="j-1"),
+        fault_event(id="bus-2", node="gpu-001", at=now, minutes=-9, gpu=3, job="j-1"),
+        fault_event("nan_loss", id="mix-1", node="gpu-002", at=now, minutes=-20, job="j-1", rank=0),
+        fault_event("nccl_timeout", id="mix-2", node="gpu-002", at=now, minutes=-19, job="j-2", rank=8),
+        fault_event("node_unreachable", id="old-1", node="gpu-003", at=now - timedelta(days=3), job="j-3"),
     ]
     incidents = {i.node: i for i in correlate(events)}
     bus, mixed, old = incidents["gpu-001"], incidents["gpu-002"], incidents["gpu-003"]

@@ -9,19 +9,18 @@ import subprocess
 import sys
 import textwrap
 import typing
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import event_line
 from typer.testing import CliRunner
 
-from medic.cli.app import app
+from apps.cli.app import app
 from medic.config import REPO_ROOT
 from medic.policy.model import Action, Classification
 from medic.triage import TriageLine
 
-T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 CONTRACT_KEYS = {"incident", "nodes", "classification", "action", "diagnose_level", "rule", "reason"}
 # As documented in docs/triage.md: changing these sets is a contract change.
 CLASSIFICATIONS = {"hardware", "software", "infrastructure", "unknown"}
@@ -38,16 +37,8 @@ def _cli_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("COLUMNS", "400")
 
 
-def ev(event_id: str, kind: str, node: str = "gpu-017", seconds: float = 0, **fields: Any) -> str:
-    payload = {
-        "id": event_id,
-        "time": (T0 + timedelta(seconds=seconds)).isoformat().replace("+00:00", "Z"),
-        "source": "test",
-        "kind": kind,
-        "node": node,
-        **fields,
-    }
-    return json.dumps(payload)
+def ev(event_id: str, kind: str, **fields: Any) -> str:
+    return event_line(kind, id=event_id, **fields)
 
 
 def write(path: Path, lines: list[str]) -> Path:
@@ -245,7 +236,7 @@ def _medic_command() -> list[str]:
     script = Path(sys.executable).with_name("medic")
     if script.is_file():
         return [str(script)]
-    return [sys.executable, "-c", "from medic.cli.app import main; main()"]
+    return [sys.executable, "-c", "from apps.cli.app import main; main()"]
 
 
 def test_console_script_prints_the_same_lines(tmp_path: Path) -> None:
@@ -275,7 +266,7 @@ def test_console_script_prints_the_same_lines(tmp_path: Path) -> None:
 def test_triage_does_not_import_prefect(tmp_path: Path) -> None:
     events = write(tmp_path / "events.jsonl", [ev("x-1", "xid", attributes={"code": 79})])
     code = (
-        "import sys; from medic.cli.app import app; from typer.testing import CliRunner; "
+        "import sys; from apps.cli.app import app; from typer.testing import CliRunner; "
         "r = CliRunner().invoke(app, ['triage', sys.argv[1], '--json']); "
         "assert r.exit_code == 0, r.output; print('prefect' in sys.modules)"
     )

@@ -25,7 +25,7 @@ from integrations.dcgm.runner import (
     run_process,
     runner_from_env,
 )
-from integrations.protocols import DiagnosticResult, Diagnostics
+from medic.protocols import DiagnosticResult, Diagnostics
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 NODE = "gpu-node-07"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
-from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import fault_event
 
 from medic.events import FaultEvent
 from medic.facts import facts_of
@@ -15,23 +15,10 @@ from medic.incidents import correlate
 from medic.policy import Decision, decide, load_policy
 
 DEFAULT_POLICY = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
-T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
-_ids = itertools.count()
 
 
-def event(
-    kind: str, node: str = "node-a", minutes: float = 0, gpu: int | None = 0, **attributes: Any
-) -> FaultEvent:
-    """A valid FaultEvent of `kind`, `minutes` after T0 (negative: before)."""
-    return FaultEvent(
-        id=f"ev-{next(_ids)}",
-        time=T0 + timedelta(minutes=minutes),
-        source="test",
-        kind=kind,
-        node=node,
-        gpu=gpu,
-        attributes=attributes,
-    )
+# event(kind, minutes=..., **attributes): `minutes` after T0 (negative: before).
+event = partial(fault_event, node="node-a", gpu=0)
 
 
 def xid(code: int, **kw: Any) -> FaultEvent:

@@ -25,8 +25,8 @@ import pytest
 from botocore.client import BaseClient
 
 from integrations.ec2 import Ec2Provider
-from integrations.protocols import NodeProvider
 from integrations.provider_errors import ProviderError, UnknownNodeError
+from medic.protocols import NodeProvider
 
 REGION = "us-east-1"
 AMI = "ami-12345678"

@@ -10,16 +10,16 @@ from typing import Any
 from uuid import UUID
 
 import pytest
+from factories import fault_event
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from flows.dispatch import Dispatch, remediate_all
 from flows.remediate import remediate
-from integrations.protocols import Message, NodeState
 from integrations.sim.fleet import SimFleet
 from integrations.sim.notifier import RecordingNotifier
-from medic.events import FaultEvent
 from medic.intake import Intake, read_lines
+from medic.protocols import Message, NodeState
 from tasks.runtime import Runtime
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -28,15 +28,8 @@ T0 = datetime.now(UTC) - timedelta(minutes=5)
 
 
 def line(n: int, kind: str, node: str, seconds: float = 0, **fields: Any) -> str:
-    event = {
-        "id": f"ev-{node}-{n}",
-        "time": (T0 + timedelta(seconds=seconds)).isoformat(),
-        "source": "test",
-        "kind": kind,
-        "node": node,
-        **fields,
-    }
-    return FaultEvent.model_validate(event).model_dump_json()
+    event = fault_event(kind, id=f"ev-{node}-{n}", node=node, at=T0, seconds=seconds, **fields)
+    return event.model_dump_json()
 
 
 def run(rt: Runtime, lines: list[str]) -> Dispatch:

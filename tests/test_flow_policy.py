@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import fault_event
 
 from flows.dispatch import Dispatch, remediate_all
 from integrations.sim.fleet import SimFleet
 from integrations.sim.notifier import RecordingNotifier
 from medic.config import REPO_ROOT
-from medic.events import FaultEvent
 from medic.intake import read_lines
 from tasks.runtime import Runtime
 
@@ -23,11 +23,9 @@ DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 
-def line(name: str, kind: str, node: str, **fields: Any) -> str:
-    at = datetime.now(UTC) - timedelta(seconds=fields.pop("seconds_ago", 1))
-    return FaultEvent.model_validate(
-        {"id": name, "time": at.isoformat(), "source": "test", "kind": kind, "node": node, **fields}
-    ).model_dump_json()
+def line(name: str, kind: str, node: str, seconds_ago: float = 1, **fields: Any) -> str:
+    at = datetime.now(UTC)
+    return fault_event(kind, id=name, node=node, at=at, seconds=-seconds_ago, **fields).model_dump_json()
 
 
 def run(rt: Runtime, lines: list[str]) -> Dispatch:

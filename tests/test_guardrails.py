@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from factories import T0, fault_event
 
 from medic.config import REPO_ROOT
 from medic.events import FaultEvent
@@ -16,7 +16,6 @@ from medic.policy.guardrails import FleetState, apply, breaker_trips, check, tak
 from medic.policy.model import CircuitBreaker, Guardrails, Policy
 from medic.triage import triage
 
-T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
 OUT = [Action.DRAIN, Action.RESET_GPU, Action.REBOOT, Action.REPLACE]
 
@@ -267,18 +266,9 @@ def test_apply_leaves_an_allowed_decision_alone() -> None:
 
 # --- The default policy through `medic triage` ------------------------------------------------
 
-_ids = itertools.count()
-
 
 def event(kind: str, node: str, minutes: float, **fields: Any) -> FaultEvent:
-    return FaultEvent(
-        id=f"g{next(_ids)}",
-        time=T0 + timedelta(minutes=minutes),
-        source="test",
-        kind=kind,
-        node=node,
-        **fields,
-    )
+    return fault_event(kind, node=node, minutes=minutes, **fields)
 
 
 def xid(code: int, node: str, minutes: float, gpu: int = 0) -> FaultEvent:

@@ -19,8 +19,8 @@ from fake_time import FakeTime
 
 from integrations.aws_retry import RetryPolicy
 from integrations.hyperpod import HyperPodProvider
-from integrations.protocols import NodeProvider
 from integrations.provider_errors import InvalidNodeIdError, NodeActionError, UnknownNodeError
+from medic.protocols import NodeProvider
 
 CLUSTER = "train-p5"
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import random
 import re
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import timedelta, timezone
 from itertools import pairwise
 from typing import Any
 
 import pytest
+from factories import T0, fault_event
 
 from medic.config import REPO_ROOT
 from medic.events import EventKind, FaultEvent
@@ -16,23 +17,12 @@ from medic.incidents import DEFAULT_WINDOW, Incident, StormRule, Storms, correla
 from medic.policy import load_policy
 from medic.policy.model import Defaults
 
-T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 WINDOW = timedelta(minutes=10)
 
 
-def ev(
-    event_id: str, minutes: float = 0, node: str = "gpu-017", kind: str = "xid", **fields: Any
-) -> FaultEvent:
-    attributes = {"xid": {"code": 79}, "remediation": {"action": "drain"}}.get(kind, {})
-    return FaultEvent(
-        id=event_id,
-        time=T0 + timedelta(minutes=minutes),
-        source="agent",
-        kind=kind,
-        node=node,
-        attributes=attributes,
-        **fields,
-    )
+def ev(event_id: str, minutes: float = 0, **fields: Any) -> FaultEvent:
+    """On gpu-017, xid 79 unless `kind=` says otherwise (a remediation is a drain)."""
+    return fault_event(id=event_id, minutes=minutes, **fields)
 
 
 def shape(incidents: list[Incident]) -> list[tuple[str, str, list[str], list[str]]]:
@@ -120,8 +110,8 @@ def test_incidents_come_oldest_first_and_events_in_time_order() -> None:
 
 def test_utc_offsets_are_compared_as_instants() -> None:
     plus_two = timezone(timedelta(hours=2))
-    early = FaultEvent(id="b", time=T0.astimezone(plus_two), source="s", kind="nan_loss", node="n")
-    late = FaultEvent(id="a", time=T0 + timedelta(minutes=5), source="s", kind="nan_loss", node="n")
+    early = fault_event("nan_loss", id="b", at=T0.astimezone(plus_two), source="s", node="n")
+    late = fault_event("nan_loss", id="a", minutes=5, source="s", node="n")
     (incident,) = correlate([late, early], WINDOW)
     assert [e.id for e in incident.events] == ["b", "a"]
 

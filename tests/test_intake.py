@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import event_dict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,16 +16,8 @@ from medic.intake import MAX_LINE_BYTES, Intake, Rejection, iter_jsonl, parse_li
 
 
 def line(event_id: str = "ev-1", kind: str = "xid", **fields: Any) -> str:
-    data: dict[str, Any] = {
-        "id": event_id,
-        "time": "2025-03-01T12:00:00Z",
-        "source": "agent",
-        "kind": kind,
-        "node": "gpu-017",
-        "attributes": {"code": 79} if kind == "xid" else {},
-    }
-    data.update(fields)
-    return json.dumps(data)
+    """xid 79 on gpu-017 at T0; `fields` replace top-level keys as written, valid or not."""
+    return json.dumps(event_dict(kind, id=event_id) | fields)
 
 
 def write(path: Path, *lines: str) -> Path:

@@ -20,11 +20,11 @@ from flows.dispatch import Dispatch, remediate_all
 from integrations import registry
 from integrations.checkpoints import DcpCheckpointStore
 from integrations.local_jobs import LocalTorchrunScheduler
-from integrations.protocols import JobInfo, JobState, NodeState
 from integrations.sim.fleet import SimFleet
 from medic.config import REPO_ROOT
 from medic.events import FaultEvent
 from medic.intake import read_lines
+from medic.protocols import JobInfo, JobState, NodeState
 from medic.store import Store
 from tasks.runtime import Runtime, configure
 

@@ -1,4 +1,4 @@
-"""medic/kernel_log.py: following a kernel-log file, and reading the driver's XID lines."""
+"""integrations/kernel_log.py: following a kernel-log file, and reading the driver's XID lines."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from medic.kernel_log import KernelLog, KernelXid, parse_xid
+from integrations.kernel_log import KernelLog, KernelXid, parse_xid
 
 
 @pytest.mark.parametrize(

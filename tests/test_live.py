@@ -15,20 +15,21 @@ from typing import Any
 from urllib.parse import urlencode
 
 import pytest
+from factories import event_dict, fault_event
 from fastapi.testclient import TestClient
 from prefect.flow_runs import resume_flow_run
 from slack_api import SlackApi, running_slack_api
 from slack_sdk import WebClient
 
+from apps.server.app import create_app
+from apps.server.slack import SlackCallbacks
 from flows.live import LiveDispatcher
-from integrations.protocols import NodeState
 from integrations.registry import Backends
 from integrations.sim.fleet import SimFleet
 from integrations.slack.notifier import SlackNotifier
 from medic.config import REPO_ROOT
 from medic.events import FaultEvent
-from medic.server.app import create_app
-from medic.server.slack import SlackCallbacks
+from medic.protocols import NodeState
 from medic.store import Store
 from medic.store.tables import IncidentRecord
 from tasks.runtime import Runtime, configure
@@ -40,15 +41,14 @@ SLACK_TOKEN = "xoxb-test-token"
 SIGNING_SECRET = "signing-secret-for-tests"
 
 
-def event(event_id: str, node: str, code: int = 79, **fields: Any) -> dict[str, Any]:
-    return {
-        "id": event_id,
-        "time": datetime.now(UTC).isoformat(),
-        "source": "agent",
-        "kind": "xid",
-        "node": node,
-        "attributes": {"code": code},
-    } | fields
+def event(event_id: str, node: str, kind: str = "xid", **fields: Any) -> FaultEvent:
+    """A fault happening now: the live path holds and windows on the wall clock."""
+    return fault_event(kind, id=event_id, node=node, at=datetime.now(UTC), **fields)
+
+
+def posted(event_id: str, node: str) -> dict[str, Any]:
+    """An xid 79 happening now, as POSTed."""
+    return event_dict(id=event_id, node=node, at=datetime.now(UTC))
 
 
 def until(check: Callable[[], Any], what: str, timeout_s: float = 90) -> Any:
@@ -89,7 +89,7 @@ def client_for(runtime: Runtime) -> Iterator[Callable[..., TestClient]]:
 def test_a_posted_fault_is_remediated_in_process(runtime: Runtime, fleet: SimFleet, client_for: Any) -> None:
     client = client_for()
     answer = client.post(
-        "/v1/events", json=event("live-1", "gpu-node-1"), headers={"Authorization": f"Bearer {TOKEN}"}
+        "/v1/events", json=posted("live-1", "gpu-node-1"), headers={"Authorization": f"Bearer {TOKEN}"}
     )
     assert answer.status_code == 200 and answer.json()["accepted"] == 1
     incident = until(closed(runtime, "gpu-node-1"), "the incident to close")
@@ -99,11 +99,11 @@ def test_a_posted_fault_is_remediated_in_process(runtime: Runtime, fleet: SimFle
 
 def test_new_evidence_joins_the_incident_being_handled(runtime: Runtime) -> None:
     dispatcher = LiveDispatcher(runtime)
-    first = FaultEvent.model_validate(event("join-1", "gpu-node-2", code=48))
+    first = event("join-1", "gpu-node-2", code=48)
     runtime.store.record_accepted([first])
     (incident,) = dispatcher._correlate([first])
     runtime.store.update_incident(incident.id, status="remediating")
-    later = FaultEvent.model_validate(event("join-2", "gpu-node-2", code=79))
+    later = event("join-2", "gpu-node-2", code=79)
     runtime.store.record_accepted([later])
     assert dispatcher._correlate([later]) == []  # no second flow run
     assert [e.id for e in runtime.store.incident_events(incident.id)] == ["join-1", "join-2"]
@@ -121,9 +121,7 @@ def test_a_switch_storm_is_one_incident_and_touches_no_node(
     rt = configure(Runtime(store, sim_backends, policy))
     under_leaf_1 = [n.name for n in fleet.nodes.values() if n.switch == "leaf-1"]
     storm = [
-        FaultEvent.model_validate(
-            event(f"storm-{k}-{node}", node, kind="nccl_timeout", attributes={}, switch="leaf-1", job="llm")
-        )
+        event(f"storm-{k}-{node}", node, "nccl_timeout", switch="leaf-1", job="llm")
         for k in range(5)
         for node in under_leaf_1
     ]
@@ -144,9 +142,7 @@ def test_a_switch_storm_is_one_incident_and_touches_no_node(
     assert all(n.state is NodeState.IDLE and n.boots == 0 for n in fleet.nodes.values())
 
     # The storm goes on after its incident went to the network team: more evidence, no second run.
-    late = FaultEvent.model_validate(
-        event("storm-late", under_leaf_1[0], kind="nccl_timeout", attributes={}, switch="leaf-1")
-    )
+    late = event("storm-late", under_leaf_1[0], "nccl_timeout", switch="leaf-1")
     store.record_accepted([late])
     assert dispatcher._correlate([late]) == []
     assert store.incident_events(incident.id)[-1].id == "storm-late"
@@ -203,7 +199,7 @@ def test_approve_in_slack_resumes_the_paused_run(
     )
     client = client_for(slack=callbacks)
     client.post(
-        "/v1/events", json=event("live-appr", "gpu-node-3"), headers={"Authorization": f"Bearer {TOKEN}"}
+        "/v1/events", json=posted("live-appr", "gpu-node-3"), headers={"Authorization": f"Bearer {TOKEN}"}
     )
 
     def approval_message() -> dict[str, Any] | None:

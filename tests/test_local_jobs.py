@@ -10,8 +10,8 @@ import pytest
 
 from integrations.local_jobs import LocalTorchrunScheduler, without_one_shot
 from integrations.processes import running
-from integrations.protocols import JobState, NodeState
 from integrations.sim.fleet import SimFleet
+from medic.protocols import JobState, NodeState
 
 JOB = "long"
 WAIT_S = 120  # a launch takes 5-7 s on 2 cores; the rest is headroom for a loaded machine

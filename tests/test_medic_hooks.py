@@ -1,11 +1,18 @@
-"""deployments/training/medic_hooks.py: the events a training loop reports, read back as FaultEvents."""
+"""deployments/training/medic_hooks.py: the events a training loop reports, read back as FaultEvents.
+
+The hook library builds its events with the standard library only; these tests hold it to the
+domain model: every line it writes must validate as a `medic.events.FaultEvent` and be the very
+document `FaultEvent.model_dump_json()` writes for it.
+"""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -17,7 +24,7 @@ from torchrun_support import TRAINING_DIR, free_port
 from medic.events import EventKind, FaultEvent
 
 sys.path.insert(0, str(TRAINING_DIR))
-from medic_hooks import MedicHooks
+from medic_hooks import Event, Kind, MedicHooks
 
 JOB, NODE, RANK = "llm-7b", "gpu-node-07", 3
 
@@ -45,13 +52,18 @@ def written(sink: Path) -> list[FaultEvent]:
     return [FaultEvent.model_validate_json(line) for line in sink.read_text().splitlines()]
 
 
+def domain(events: list[Event]) -> list[FaultEvent]:
+    """What the library returned, as the domain model reads it."""
+    return [FaultEvent.model_validate_json(event.to_json()) for event in events]
+
+
 @pytest.mark.parametrize("loss", [float("nan"), float("inf"), -float("inf")])
 def test_a_non_finite_loss_is_a_nan_loss_event(sink: Path, loss: float) -> None:
     hooks = hooks_for(sink, gpu=5)
     assert hooks.step(41, 2.5, 0.2) == []
     reported = hooks.step(42, loss, 0.2)
     [event] = written(sink)
-    assert reported == [event]
+    assert domain(reported) == [event]
     assert (event.kind, event.iteration, event.rank, event.job, event.node, event.gpu, event.source) == (
         EventKind.NAN_LOSS,
         42,
@@ -81,7 +93,7 @@ def test_a_slow_step_is_a_straggler_event_at_most_once_per_cooldown(sink: Path) 
     [again] = hooks.step(9, 1.0, 2.0)
     assert again.attributes["step_time_ratio"] == 2.0
     assert hooks.step(10, 1.0, 1.1) == []  # below the ratio
-    assert written(sink) == [event, again]
+    assert written(sink) == domain([event, again])
 
 
 def test_millisecond_steps_are_never_stragglers(sink: Path) -> None:
@@ -95,7 +107,7 @@ def test_crash_reports_the_exit_code_and_last_step(sink: Path) -> None:
     hooks = hooks_for(sink)
     hooks.step(12, 0.5, 1.0)
     event = hooks.crash(137)
-    assert written(sink) == [event]
+    assert written(sink) == domain([event])
     assert (event.kind, event.iteration, event.attributes) == (EventKind.JOB_CRASH, 12, {"exit_code": 137})
 
 
@@ -185,10 +197,171 @@ def test_the_http_sink_posts_one_json_line(intake_url: str) -> None:
     [(path, content_type, body)] = _Recorder.received
     assert (path, content_type) == ("/events", "application/x-ndjson")
     assert body.endswith(b"\n")
-    assert FaultEvent.model_validate_json(body) == event
+    assert body.decode() == event.to_json() + "\n"
+    assert [FaultEvent.model_validate_json(body)] == domain([event])
 
 
 def test_an_unreachable_intake_does_not_stop_training(caplog: pytest.LogCaptureFixture) -> None:
     hooks = hooks_for(f"http://127.0.0.1:{free_port()}/events")
     event = hooks.crash(2)
     assert f"could not deliver job_crash event {event.id}" in caplog.text
+
+
+# The contract with the consumer: the library writes exactly the documents the domain model does.
+
+
+def test_every_kind_the_library_emits_is_a_valid_fault_event(sink: Path) -> None:
+    clock = Clock()
+    hooks = hooks_for(sink, gpu=2, clock=clock)
+    returned = [*hooks.step(1, float("nan"), 1.0)]
+    for step in range(2, 7):
+        returned += hooks.step(step, 1.0, 1.0)
+    returned += hooks.step(7, 1.0, 1.7)  # straggler
+    returned.append(hooks.crash(137))
+    for error in (
+        dist.DistBackendError("NCCL watchdog: collective operation failed"),
+        RuntimeError("Connection closed by peer: timed out after 1800 s"),
+        ValueError("déjà vu: no ASCII here \U0001f525"),
+        OSError("an undecodable byte: \udcff"),  # a lone surrogate cannot be UTF-8: replaced, not lost
+    ):
+        with pytest.raises(type(error)), hooks.watch():
+            raise error
+    returned.append(
+        hooks_for(sink).report_exception(TimeoutError("gloo timed out"))
+    )  # job_crash: not a RuntimeError
+    returned.append(hooks_for(sink).report_exception(RuntimeError("Timed out waiting for recv")))
+
+    lines = sink.read_text().splitlines()
+    assert all(line.isprintable() for line in lines)
+    parsed = [FaultEvent.model_validate_json(line) for line in lines]
+    # The same document pydantic writes for it: same fields, same nulls, same attributes, same time format.
+    assert [event.model_dump_json() for event in parsed] == lines
+    returned = [event for event in returned if event is not None]
+    assert [event.to_json() for event in returned] == lines[:3] + lines[7:]  # what the methods returned
+    assert (
+        {event.kind for event in parsed}
+        == set(Kind)
+        == {
+            EventKind.NAN_LOSS,
+            EventKind.STRAGGLER,
+            EventKind.JOB_CRASH,
+            EventKind.NCCL_TIMEOUT,
+        }
+    )
+    assert [event.kind for event in parsed] == [
+        EventKind.NAN_LOSS,
+        EventKind.STRAGGLER,
+        EventKind.JOB_CRASH,
+        EventKind.NCCL_TIMEOUT,
+        EventKind.NCCL_TIMEOUT,
+        EventKind.JOB_CRASH,
+        EventKind.JOB_CRASH,
+        EventKind.JOB_CRASH,
+        EventKind.NCCL_TIMEOUT,
+    ]
+    for event, line in zip(parsed, lines, strict=True):
+        document = json.loads(line)
+        assert list(document) == list(FaultEvent.model_fields)  # every field, in the model's order
+        assert (document["source"], document["node"], document["job"], document["rank"]) == (
+            "job",
+            NODE,
+            JOB,
+            RANK,
+        )
+        assert document["time"].endswith("Z") and event.time.utcoffset() == timedelta(0)
+        assert document["switch"] is None
+        typed = event.typed_attributes()  # the per-kind attribute model accepts it
+        assert typed.model_dump(mode="json", exclude_none=True) == event.attributes
+    assert parsed[0].gpu == 2 and parsed[-1].gpu is None
+    assert parsed[1].attributes == {"step_time_ratio": 1.7, "step_time_s": 1.7, "median_step_time_s": 1.0}
+    assert parsed[5].attributes["message"] == "déjà vu: no ASCII here \U0001f525"
+    assert parsed[6].attributes["message"] == "an undecodable byte: ?"
+
+
+def test_the_library_kinds_are_domain_kinds() -> None:
+    assert {kind.value for kind in Kind} <= {kind.value for kind in EventKind}
+    assert all(Kind(kind) == EventKind(kind) for kind in Kind)
+
+
+def _document(**changes: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "id": "ev-1",
+        "time": datetime(2025, 3, 1, 12, tzinfo=UTC),
+        "source": "job",
+        "kind": "straggler",
+        "node": NODE,
+        "job": JOB,
+        "rank": RANK,
+        "attributes": {"step_time_ratio": 1.5},
+    }
+    return {**base, **changes}
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"attributes": {"step_time_ratio": float("inf")}},
+        {"attributes": {"step_time_ratio": float("nan")}},
+        {"attributes": {"step_time_ratio": 0.0}},
+        {"attributes": {"step_time_ratio": -1.5}},
+        {"attributes": {}},
+        {"kind": "job_crash", "attributes": {}},
+        {"kind": "job_crash", "attributes": {"exit_code": "crashed"}},
+        {"kind": "xid", "attributes": {"code": 79}},  # not a kind a job reports
+        {"time": datetime(2025, 3, 1, 12)},  # no timezone
+        {"node": ""},
+        {"id": "x" * 201},
+        {"job": "j" * 201},
+        {"rank": -1},
+        {"iteration": -5},
+        {"gpu": -1},
+    ],
+)
+def test_an_event_the_schema_rejects_is_never_built(changes: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        Event(**_document(**changes))  # type: ignore[arg-type]
+    if changes.get("kind") != "xid":  # the domain model does know xid; it rejects the others as well
+        with pytest.raises(ValueError):
+            FaultEvent.model_validate(_document(**changes))
+
+
+def test_a_valid_event_is_the_domain_models_document() -> None:
+    event = Event(**_document(gpu=0, iteration=7, attributes={"step_time_ratio": 1.5, "note": None}))  # type: ignore[arg-type]
+    assert event.attributes == {"step_time_ratio": 1.5}  # None left out, as the model leaves it out
+    assert FaultEvent.model_validate_json(event.to_json()).model_dump_json() == event.to_json()
+
+
+def test_a_non_finite_step_time_is_no_straggler_and_no_error(sink: Path) -> None:
+    hooks = hooks_for(sink)
+    for step in range(1, 7):
+        hooks.step(step, 1.0, 1.0)
+    assert hooks.step(7, 1.0, float("inf")) == []
+    assert hooks.step(8, 1.0, float("nan")) == []
+    assert list(hooks.step_times) == [1.0] * 6  # not part of the baseline either
+    assert written(sink) == []
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"rank": -1}, {"node": ""}, {"job": "j" * 201}, {"gpu": -1}, {"straggler_ratio": float("nan")}],
+)
+def test_a_bad_envelope_fails_when_the_hooks_are_made(sink: Path, options: dict[str, object]) -> None:
+    settings: dict[str, object] = {"job": JOB, "node": NODE, "rank": RANK, "sink": sink, **options}
+    with pytest.raises(ValueError):
+        MedicHooks(**settings)  # type: ignore[arg-type]
+    assert not sink.exists()
+
+
+STANDALONE = (
+    "import sys; sys.path.insert(0, sys.argv[1]); import medic_hooks; "
+    "bad = [m for m in sys.modules if m.split('.')[0] in ('pydantic', 'medic', 'integrations', 'prefect', 'torch')]; "
+    "assert not bad, bad"
+)
+
+
+def test_the_library_imports_the_standard_library_only() -> None:
+    # A fresh interpreter: this one has imported pydantic and medic already.
+    result = subprocess.run(
+        [sys.executable, "-c", STANDALONE, str(TRAINING_DIR)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr

@@ -6,18 +6,18 @@ with a `Context` of every event, `decide` answers.
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from factories import T0, fault_event
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from medic.context import Context
-from medic.events import EventKind, FaultEvent
+from medic.events import FaultEvent
 from medic.facts import Facts, facts_of
 from medic.incidents import correlate
 from medic.policy import Action, Decision, Policy, decide
@@ -25,25 +25,14 @@ from medic.policy.engine import diagnose_level, match
 from medic.policy.loader import parse_policy
 from medic.policy.model import ACTION_RANK
 
-T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
-_ids = itertools.count()
-
 
 def event(kind: str, node: str = "n1", minutes: float = 0, gpu: int | None = 0, **fields: Any) -> FaultEvent:
     """`fields` are envelope fields (job, rank, iteration, switch) or `attributes`."""
-    return FaultEvent(
-        id=f"c{next(_ids)}",
-        time=T0 + timedelta(minutes=minutes),
-        source="test",
-        kind=kind,
-        node=node,
-        gpu=gpu,
-        **fields,
-    )
+    return fault_event(kind, node=node, minutes=minutes, gpu=gpu, **fields)
 
 
 def xid79(node: str = "n1", minutes: float = 0, gpu: int | None = 0, **fields: Any) -> FaultEvent:
-    return event("xid", node, minutes, gpu, attributes={"code": 79}, **fields)
+    return event("xid", node, minutes, gpu, **fields)  # the factory's xid is 79
 
 
 def one_rule(when: Mapping[str, Any]) -> Policy:
@@ -428,11 +417,11 @@ def random_policies(draw: st.DrawFn) -> Policy:
 @st.composite
 def cluster_events(draw: st.DrawFn) -> FaultEvent:
     kind = draw(st.sampled_from(KINDS))
-    return FaultEvent(
+    return fault_event(
+        kind,
         id=f"p{draw(st.integers(0, 10**6))}",
-        time=T0 + timedelta(minutes=draw(st.integers(0, 40))),
+        minutes=draw(st.integers(0, 40)),
         source="prop",
-        kind=EventKind(kind),
         node=draw(st.sampled_from(["n1", "n2", "n3"])),
         gpu=draw(st.none() | st.integers(0, 1)),
         job=draw(st.none() | st.sampled_from(["j1", "j2"])),

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import itertools
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from functools import partial
 
 import pytest
+from factories import fault_event
 
 from medic.events import FaultEvent
 from medic.facts import Facts, facts_of
@@ -15,21 +14,10 @@ from medic.policy import Action, Policy, decide
 from medic.policy.loader import parse_policy
 from medic.policy.model import ACTION_RANK
 
-T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 SHA = "ab" * 32
-_ids = itertools.count()
 
 
-def event(kind: str, minutes: float = 0, node: str = "node-a", **attributes: Any) -> FaultEvent:
-    return FaultEvent(
-        id=f"e{next(_ids)}",
-        time=T0 + timedelta(minutes=minutes),
-        source="test",
-        kind=kind,
-        node=node,
-        gpu=0,
-        attributes=attributes,
-    )
+event = partial(fault_event, node="node-a", gpu=0)  # event(kind, minutes=..., **attributes)
 
 
 def diag(level: int, result: str = "fail", *error_ids: int | str, minutes: float = 1) -> FaultEvent:

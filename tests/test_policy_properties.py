@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
+from factories import fault_event
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +18,6 @@ from medic.policy.engine import match
 from medic.policy.model import ACTION_RANK, Rule
 
 DEFAULT = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml")
-T0 = datetime(2026, 3, 1, tzinfo=UTC)
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 KNOWN_DCGM = [e.name for e in dcgm_errors.all_errors()] + [e.id for e in dcgm_errors.all_errors()]
@@ -64,12 +64,12 @@ assert set(ATTRIBUTES) == set(EventKind), "every event kind has a strategy"
 @st.composite
 def fault_events(draw: st.DrawFn) -> FaultEvent:
     kind = draw(st.sampled_from(list(EventKind)))
-    return FaultEvent(
+    return fault_event(
+        kind,
         id=f"e{draw(st.integers(0, 10**6))}",
         # Minutes over ~10 days: bursts inside one window and history across the 7-day horizon.
-        time=T0 + timedelta(minutes=draw(st.one_of(st.integers(0, 30), st.integers(0, 14_400)))),
+        minutes=draw(st.one_of(st.integers(0, 30), st.integers(0, 14_400))),
         source="prop",
-        kind=kind,
         node=draw(st.sampled_from(["n1", "n2", "n3"])),
         gpu=draw(st.none() | st.integers(0, 7)),
         job=draw(st.none() | st.sampled_from(["j1", "j2"])),

@@ -14,8 +14,8 @@ import pytest
 from fastapi import FastAPI
 from test_server import REMOTE, TOKEN, free_port, make_app, samples, server_process, serving
 
+from apps.server.sentry import KINDS, translate
 from medic.events import EventKind, FaultEvent
-from medic.server.sentry import KINDS, translate
 from medic.store import Store
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sentry"

@@ -20,17 +20,17 @@ from typing import Any
 import httpx
 import pytest
 import typer
+from factories import T0, event_dict, fault_event, incident
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
 from typer.testing import CliRunner
 
+from apps.server.app import create_app
+from apps.server.auth import sign
+from apps.server.emit import parse_attribute
 from medic.events import FaultEvent
-from medic.incidents import Incident
 from medic.policy import Decision
-from medic.server.app import create_app
-from medic.server.auth import sign
-from medic.server.emit import parse_attribute
 from medic.store import Store, utcnow
 from medic.store.tables import EventRecord, RejectedRecord
 
@@ -39,19 +39,15 @@ SECRET = b"hmac-secret"
 REMOTE = "10.0.0.7"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 NDJSON = {**BEARER, "Content-Type": "application/x-ndjson"}
-T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 
 
 def ev(event_id: str, kind: str = "xid", **fields: Any) -> dict[str, Any]:
-    event = {
-        "id": event_id,
-        "time": "2025-03-01T12:00:00Z",
-        "source": "agent",
-        "kind": kind,
-        "node": "gpu-017",
-        "attributes": {"code": 79} if kind == "xid" else {},
-    }
-    return event | fields
+    """What a client POSTs: xid 79 on gpu-017 at T0; not validated, so it can be wrong on purpose."""
+    return event_dict(kind, id=event_id, **fields)
+
+
+def fault(event_id: str, minutes: int = 0) -> FaultEvent:
+    return fault_event(id=event_id, minutes=minutes)
 
 
 def lines(*events: dict[str, Any] | str) -> str:
@@ -388,8 +384,8 @@ def samples(body: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 @pytest.mark.anyio
 async def test_metrics_count_requests_and_read_the_store(sqlite_store: Store) -> None:
-    sqlite_store.open_incident(Incident("inc-open", "gpu-001", [FaultEvent.model_validate(ev("x1"))]))
-    sqlite_store.open_incident(Incident("inc-done", "gpu-002", [FaultEvent.model_validate(ev("x2"))]))
+    sqlite_store.open_incident(incident(fault("x1"), id="inc-open", node="gpu-001"))
+    sqlite_store.open_incident(incident(fault("x2"), id="inc-done", node="gpu-002"))
     sqlite_store.update_incident("inc-done", status="closed", closed_at=T0)
     for key, action, status in [
         ("k1", "reboot", "succeeded"),
@@ -467,12 +463,12 @@ async def test_on_accepted_gets_each_new_batch_in_order_even_after_a_failure(sql
 
 @pytest.mark.anyio
 async def test_events_never_handed_on_are_handed_on_at_the_next_start(sqlite_store: Store) -> None:
-    sqlite_store.record_accepted([FaultEvent.model_validate(ev("before-crash"))])
+    sqlite_store.record_accepted([fault("before-crash")])
     handed: list[list[str]] = []
 
     async def on_accepted(events: list[FaultEvent]) -> None:
         handed.append([e.id for e in events])
-        sqlite_store.attach_events([Incident("inc-1", "gpu-017", events)])
+        sqlite_store.attach_events([incident(*events, id="inc-1", node="gpu-017")])
 
     async with serving(make_app(sqlite_store, on_accepted=on_accepted)):
         pass
@@ -482,13 +478,6 @@ async def test_events_never_handed_on_are_handed_on_at_the_next_start(sqlite_sto
 
 
 # --- the store methods the server relies on (SQLite and PostgreSQL) ---------------------------
-
-
-def fault(event_id: str, minutes: int = 0, kind: str = "xid") -> FaultEvent:
-    return FaultEvent.model_validate(
-        ev(event_id, kind=kind, time=(T0 + timedelta(minutes=minutes)).isoformat())
-        | ({"attributes": {"action": "reboot"}} if kind == "remediation" else {})
-    )
 
 
 def test_record_accepted_stores_each_id_once(store: Store) -> None:
@@ -513,10 +502,11 @@ def test_record_accepted_racing_writers_store_each_id_once(store: Store) -> None
 
 
 def test_attach_events_and_what_is_left_undispatched(store: Store) -> None:
-    store.record_accepted([fault("x2", 2), fault("x1", 1), fault("h", 0, kind="remediation"), fault("y", 3)])
+    history = fault_event("remediation", id="h", action="reboot")
+    store.record_accepted([fault("x2", 2), fault("x1", 1), history, fault("y", 3)])
     assert [e.id for e in store.undispatched_events()] == ["x1", "x2", "y"]  # oldest first, no history
-    assert store.attach_events([Incident("inc-x", "gpu-017", [fault("x1"), fault("x2")])]) == 2
-    assert store.attach_events([Incident("inc-other", "gpu-017", [fault("x1")])]) == 0  # never moved
+    assert store.attach_events([incident(fault("x1"), fault("x2"), id="inc-x")]) == 2
+    assert store.attach_events([incident(fault("x1"), id="inc-other")]) == 0  # never moved
     assert [e.id for e in store.incident_events("inc-x")] == ["x1", "x2"]
     assert [e.id for e in store.undispatched_events()] == ["y"]
 
@@ -524,17 +514,17 @@ def test_attach_events_and_what_is_left_undispatched(store: Store) -> None:
 def test_ping_and_the_counts_for_metrics(store: Store) -> None:
     store.ping()
     assert store.open_incident_count() == 0 and store.action_counts() == {}
-    store.open_incident(Incident("inc-1", "gpu-017", [fault("a")]))
+    store.open_incident(incident(fault("a"), id="inc-1"))
     store.claim_action("k", "inc-1", "gpu-017", "reboot")
     assert store.open_incident_count() == 1
     assert store.action_counts() == {("reboot", "intent"): 1}
 
 
 def test_decision_delays_run_from_first_arrival_to_first_decision(store: Store) -> None:
-    decided = Incident("inc-d", "gpu-017", [fault("d1"), fault("d2", 1)])
+    decided = incident(fault("d1"), fault("d2", 1), id="inc-d")
     store.record_events([decided], received_at=utcnow() - timedelta(seconds=3))
     store.open_incident(decided)
-    pending = Incident("inc-p", "gpu-018", [fault("p1")])
+    pending = incident(fault("p1"), id="inc-p", node="gpu-018")
     store.record_events([pending])
     store.open_incident(pending)  # no decision yet: not counted
     for rule in ("first", "second"):
@@ -548,7 +538,7 @@ def test_decision_delays_run_from_first_arrival_to_first_decision(store: Store) 
 
 @pytest.mark.anyio
 async def test_metrics_histogram_of_decision_delays(sqlite_store: Store) -> None:
-    slow = Incident("inc-slow", "gpu-001", [fault("s1")])
+    slow = incident(fault("s1"), id="inc-slow", node="gpu-001")
     sqlite_store.record_events([slow], received_at=utcnow() - timedelta(seconds=40))
     sqlite_store.open_incident(slow)
     sqlite_store.add_decision(
@@ -583,7 +573,7 @@ def server_process(
     """`medic serve` (the CLI function under typer) in its own process."""
     env = os.environ | {"MEDIC_DATABASE_URL": f"sqlite:///{database}", "MEDIC_INGEST_TOKENS": TOKEN}
     env |= extra_env or {}
-    code = "import typer; from medic.cli.serve import serve; typer.run(serve)"
+    code = "import typer; from apps.cli.serve import serve; typer.run(serve)"
     process = subprocess.Popen(
         [sys.executable, "-c", code, "--port", str(port), "--log-level", "warning"],
         env=env,
@@ -660,7 +650,7 @@ def test_sigterm_stops_the_service_and_its_embedded_prefect_server(tmp_path: Pat
 
 
 def cli() -> typer.Typer:
-    from medic.cli.serve import emit, serve
+    from apps.cli.serve import emit, serve
 
     app = typer.Typer()
     app.command("serve")(serve)

@@ -16,7 +16,6 @@ from slack_api import SlackApi, running_slack_api
 from slack_sdk import WebClient
 from torchrun_support import free_port
 
-from integrations.protocols import Message, Notifier
 from integrations.slack.blocks import (
     FIELDS_MAX,
     HEADER_MAX,
@@ -34,6 +33,7 @@ from integrations.slack.notifier import (
     split_thread,
 )
 from integrations.slack.signature import SignatureError, verify
+from medic.protocols import Message, Notifier
 
 TOKEN = "xoxb-1111-2222-medictesttokenvalue"
 CHANNEL_ID = "C0GPUALERTS"

@@ -24,7 +24,6 @@ from typing import TypeVar
 
 import pytest
 
-from integrations.protocols import JobState, NodeProvider, NodeState, Scheduler
 from integrations.slurm import (
     NodeHeldByOthersError,
     NotRequeueableError,
@@ -39,6 +38,7 @@ from integrations.slurm import (
 )
 from integrations.slurm.records import SlurmJob, SlurmNode
 from medic.config import REPO_ROOT
+from medic.protocols import JobState, NodeProvider, NodeState, Scheduler
 from medic.store import Store
 
 pytestmark = pytest.mark.system

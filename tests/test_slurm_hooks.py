@@ -1,4 +1,4 @@
-"""medic/hooks.py and deployments/slurm/medic-*.sh against the fake `dcgmi` of
+"""apps/hooks.py and deployments/slurm/medic-*.sh against the fake `dcgmi` of
 tests/fixtures/dcgm/fake_dcgmi.sh: in process, as Slurm starts the scripts (no PATH, almost no
 environment), and from a real one-node Slurm cluster's Prolog and Epilog."""
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from apps.hooks import FAIL_CLOSED, job_failed, main, run_hook
 from medic.config import REPO_ROOT
 from medic.events import EventKind, FaultEvent
-from medic.hooks import FAIL_CLOSED, job_failed, main, run_hook
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 SCRIPTS = REPO_ROOT / "deployments" / "slurm"
@@ -240,7 +240,7 @@ def test_prolog_and_healthcheck_scripts(installed: Path, dcgmi: Dcgmi) -> None:
         ("/nonexistent/python", "no Python at '/nonexistent/python'"),
         (
             "/usr/bin/python3",
-            "/usr/bin/python3 -m medic.hooks exited 1; not failing the prolog",
+            "/usr/bin/python3 -m apps.hooks exited 1; not failing the prolog",
         ),  # no GPU Medic
     ],
 )

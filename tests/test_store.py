@@ -8,39 +8,20 @@ from threading import Barrier
 from typing import Any
 
 import pytest
+from factories import T0, fault_event, incident
 from sqlalchemy import text
 
 from medic.events import FaultEvent
-from medic.incidents import Incident, correlate
+from medic.incidents import correlate
 from medic.intake import Rejection, parse_line
 from medic.policy.model import Action, Classification, Decision
 from medic.store import Store
 from medic.store.tables import ActionRecord, DiagnosticRecord, EventRecord, IncidentRecord
 
-T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 
-
-def ev(
-    event_id: str, minutes: float = 0, node: str = "gpu-017", kind: str = "xid", **fields: Any
-) -> FaultEvent:
-    attributes = fields.pop(
-        "attributes", {"xid": {"code": 79}, "remediation": {"action": "drain"}}.get(kind, {})
-    )
-    return FaultEvent(
-        id=event_id,
-        time=T0 + timedelta(minutes=minutes),
-        source="agent",
-        kind=kind,
-        node=node,
-        attributes=attributes,
-        **fields,
-    )
-
-
-def incident(*events: FaultEvent, incident_id: str | None = None) -> Incident:
-    """An incident holding exactly these events (possibly on several nodes)."""
-    first = events[0]
-    return Incident(id=incident_id or f"inc-{first.id}", node=first.node, events=list(events))
+def ev(event_id: str, minutes: float = 0, **fields: Any) -> FaultEvent:
+    """On gpu-017, xid 79 unless `kind=` says otherwise (a remediation is a drain)."""
+    return fault_event(id=event_id, minutes=minutes, **fields)
 
 
 # --- events ---------------------------------------------------------------------------------
@@ -113,7 +94,7 @@ def test_incident_events_rebuild_the_original_events(store: Store) -> None:
 def test_aware_datetimes_round_trip_exactly_in_utc(store: Store) -> None:
     ist = timezone(timedelta(hours=5, minutes=30))
     closed = datetime(2025, 3, 1, 17, 30, 0, 123456, tzinfo=ist)
-    store.open_incident(incident(ev("t1", 0), incident_id="inc-t"))
+    store.open_incident(incident(ev("t1", 0), id="inc-t"))
     store.update_incident("inc-t", closed_at=closed)
     store.add_step("inc-t", "diagnose", closed, "ok", "")
 
@@ -171,14 +152,14 @@ def test_a_rejected_line_with_a_nul_byte_is_still_kept(store: Store) -> None:
 
 
 def test_open_incident_creates_then_refreshes(store: Store) -> None:
-    first = incident(ev("o1", 0, job="job-b"), ev("o2", 5, job="job-a"), incident_id="inc-o")
+    first = incident(ev("o1", 0, job="job-b"), ev("o2", 5, job="job-a"), id="inc-o")
     row = store.open_incident(first, owner="team-llm")
     assert (row.id, row.node, row.status, row.owner) == ("inc-o", "gpu-017", "open", "team-llm")
     assert (row.opened_at, row.last_event_at, row.jobs) == (T0, T0 + timedelta(minutes=5), ["job-a", "job-b"])
 
     # Newer events with a new job: merged. An older batch never moves last_event_at back.
-    store.open_incident(incident(ev("o3", 9, job="job-c"), incident_id="inc-o"), owner="someone-else")
-    store.open_incident(incident(ev("o0", -3, job="job-a"), incident_id="inc-o"))
+    store.open_incident(incident(ev("o3", 9, job="job-c"), id="inc-o"), owner="someone-else")
+    store.open_incident(incident(ev("o0", -3, job="job-a"), id="inc-o"))
     got = store.get_incident("inc-o")
     assert got is not None
     assert got.last_event_at == T0 + timedelta(minutes=9)
@@ -189,7 +170,7 @@ def test_open_incident_creates_then_refreshes(store: Store) -> None:
 
 
 def test_update_and_get_incident(store: Store) -> None:
-    store.open_incident(incident(ev("u1"), incident_id="inc-u"))
+    store.open_incident(incident(ev("u1"), id="inc-u"))
     row = store.update_incident(
         "inc-u", status="closed", action="reboot", outcome="rebooted; dcgm level 1 passed"
     )
@@ -207,10 +188,10 @@ def test_find_incidents(store: Store) -> None:
     one = incident(
         ev("f1", 0, node="gpu-001", job="job-a"),
         ev("f2", 1, node="gpu-002", job="job-b"),
-        incident_id="inc-1",
+        id="inc-1",
     )
-    two = incident(ev("f3", 30, node="gpu-002"), incident_id="inc-2")
-    three = incident(ev("f4", 90, node="gpu-003", job="job-a"), incident_id="inc-3")
+    two = incident(ev("f3", 30, node="gpu-002"), id="inc-2")
+    three = incident(ev("f4", 90, node="gpu-003", job="job-a"), id="inc-3")
     store.record_events([one, two, three])
     store.record_history([ev("h1", 5, node="gpu-009", kind="remediation")])  # no incident
     store.open_incident(one, owner="team-a")

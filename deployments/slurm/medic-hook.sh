@@ -1,5 +1,5 @@
 #!/bin/sh
-# Runs `python -m medic.hooks PHASE` (prolog | epilog | healthcheck) for Slurm (docs/agent.md).
+# Runs `python -m apps.hooks PHASE` (prolog | epilog | healthcheck) for Slurm (docs/agent.md).
 #
 # Slurm starts Prolog, Epilog and HealthCheckProgram with almost no environment: no PATH and
 # none of the site's variables. So PATH is set here, and the site's settings come from a file:
@@ -44,15 +44,15 @@ if [ -z "$python" ] || ! command -v "$python" >/dev/null 2>&1; then
   echo "medic $phase hook: no Python at '${python:-}'; set MEDIC_PYTHON in $here/medic-hooks.env" >&2
   exit 0
 fi
-"$python" -m medic.hooks "$phase"
+"$python" -m apps.hooks "$phase"
 status=$?
-# 10 is medic.hooks' "the diagnostic failed and the prolog fails closed"; any other failure is
+# 10 is apps.hooks' "the diagnostic failed and the prolog fails closed"; any other failure is
 # the hook's own (GPU Medic not installed for this Python, a crash) and must not drain the node.
 case $status in
   0) exit 0 ;;
   10) exit 1 ;;
   *)
-    echo "medic $phase hook: $python -m medic.hooks exited $status; not failing the $phase" >&2
+    echo "medic $phase hook: $python -m apps.hooks exited $status; not failing the $phase" >&2
     exit 0
     ;;
 esac

@@ -129,7 +129,9 @@ def resume_step(ckpt_dir: Path, job: str, rank: int) -> int:
         checkpoint = latest_in_directory(job, ckpt_dir)
         found = [checkpoint.step if checkpoint else 0]
     dist.broadcast_object_list(found, src=0)
-    return int(found[0])  # type: ignore[arg-type]
+    step = found[0]
+    assert step is not None  # rank 0 always fills it in before the broadcast
+    return int(step)
 
 
 def save(

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 
 from integrations.dcgm.parse import DcgmOutputError, DiagReport, Finding, Verdict, parse_report
 from integrations.dcgm.runner import Completed, NodeRunner, runner_from_env
-from integrations.protocols import DiagnosticResult
+from medic.protocols import DiagnosticResult
 
 LEVELS = range(1, 5)
 # Scheduler node names: no spaces, commas or brackets (a Slurm node list would reach many nodes).

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from medic import dcgm_errors
 from medic.dcgm_errors import Severity
+from medic.errors import PermanentError
 from medic.events import describe_validation_error
 
 # The lowest `dcgmi diag -r` level that runs each test (DCGM 4, NvidiaValidationSuite).
@@ -37,8 +38,9 @@ TEST_LEVELS: dict[str, int] = {
 }
 
 
-class DcgmOutputError(ValueError):
-    """The text is not complete `dcgmi diag -j` output."""
+class DcgmOutputError(PermanentError, ValueError):
+    """Raised when the text is not complete `dcgmi diag -j` output (DcgmDiagnostics turns it into an
+    "error" verdict; it never leaves the integration)."""
 
 
 # --- The JSON as dcgmi prints it ------------------------------------------------------------

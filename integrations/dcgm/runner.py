@@ -18,6 +18,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from medic.errors import PermanentError
+
 # dcgmi stops the diagnostic it started on nv-hostengine when it gets SIGTERM; SIGKILL would
 # leave the hostengine's test running on the GPUs. So: TERM first, KILL after this grace.
 DEFAULT_TERM_GRACE_S = 5.0
@@ -214,8 +216,8 @@ class SshRunner:
 RUNNERS = ("local", "srun", "ssh")
 
 
-class RunnerConfigError(ValueError):
-    pass
+class RunnerConfigError(PermanentError, ValueError):
+    """Raised when MEDIC_DCGM_RUNNER or MEDIC_DCGM_RUNNER_ARGS asks for a runner that cannot be built."""
 
 
 def runner_from_env(env: Mapping[str, str]) -> NodeRunner:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from integrations.protocols import Checkpoint
 from integrations.sim.fleet import SimFleet
+from medic.protocols import Checkpoint
 
 
 class SimCheckpoints:

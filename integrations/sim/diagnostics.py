@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from integrations.protocols import DiagnosticResult
 from integrations.sim.fleet import SimFleet
+from medic.protocols import DiagnosticResult
 
 
 class SimDiagnostics:

@@ -13,7 +13,16 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from integrations.protocols import JobState, NodeState
+from medic.errors import PermanentError, TransientError
+from medic.protocols import JobState, NodeState
+
+
+class SimTransientFailure(TransientError):
+    """Raised when a call scripted by `fail_next` fails the way a throttled or unreachable API does."""
+
+
+class SimPermanentFailure(PermanentError):
+    """Raised when a call scripted by `fail_next(..., permanent=True)` is refused for good."""
 
 
 @dataclass(slots=True)
@@ -52,6 +61,7 @@ class SimFleet:
     )
     # (node, action) -> how many more calls should fail, to exercise retries.
     failures: dict[tuple[str, str], int] = field(default_factory=dict)
+    permanent_failures: set[tuple[str, str]] = field(default_factory=set)  # fail as refused, not transient
     calls: list[tuple[str, str]] = field(default_factory=list)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -110,9 +120,14 @@ class SimFleet:
         with self.lock:
             self.diagnostic_script[(node, level)].append((result, error_ids))
 
-    def fail_next(self, node: str, action: str, times: int = 1) -> None:
+    def fail_next(self, node: str, action: str, times: int = 1, *, permanent: bool = False) -> None:
+        """The next `times` calls fail: transiently (the task layer retries them), or as refused."""
         with self.lock:
             self.failures[(node, action)] = times
+            if permanent:
+                self.permanent_failures.add((node, action))
+            else:
+                self.permanent_failures.discard((node, action))
 
     def record_call(self, node: str, action: str) -> None:
         """Count a backend call; raise if a failure was scripted for it."""
@@ -121,4 +136,6 @@ class SimFleet:
             left = self.failures.get((node, action), 0)
             if left > 0:
                 self.failures[(node, action)] = left - 1
-                raise RuntimeError(f"simulated {action} failure on {node}")
+                if (node, action) in self.permanent_failures:
+                    raise SimPermanentFailure(f"simulated {action} refusal on {node}")
+                raise SimTransientFailure(f"simulated {action} failure on {node}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from integrations.protocols import Message
+from medic.protocols import Message
 
 
 @dataclass(slots=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import deque
 from datetime import UTC, datetime
 
-from integrations.protocols import NodeState
 from integrations.sim.fleet import SimFleet
+from medic.protocols import NodeState
 
 
 class SimProvider:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from integrations.protocols import JobInfo, JobState, NodeInfo, NodeState
 from integrations.sim.fleet import SimFleet, SimJob
+from medic.protocols import JobInfo, JobState, NodeInfo, NodeState
 
 
 class SimScheduler:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from integrations.protocols import Message
+from medic.protocols import Message
 
 # Block Kit limits (https://docs.slack.dev/reference/block-kit/blocks).
 HEADER_MAX = 150

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs
 
 from integrations.slack.blocks import APPROVE_ACTION, REJECT_ACTION
+from medic.errors import PermanentError
 
 
-class InteractionError(ValueError):
-    pass
+class InteractionError(PermanentError, ValueError):
+    """Raised when a Slack interaction payload is not an approval click GPU Medic sent."""
 
 
 @dataclass(frozen=True, slots=True)

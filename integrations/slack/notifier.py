@@ -20,8 +20,9 @@ from slack_sdk.errors import SlackApiError
 from slack_sdk.http_retry import BackoffRetryIntervalCalculator
 from slack_sdk.web import SlackResponse
 
-from integrations.protocols import Message
 from integrations.slack.blocks import TEXT_MAX, fallback_text, fit_mrkdwn, message_blocks, truncate
+from medic.errors import MedicError, PermanentError, TransientError
+from medic.protocols import Message
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,17 @@ PROBLEM_MAX = 300
 FlowRunUrl = Callable[[Message], str | None]
 
 
-class NotifyError(RuntimeError):
-    """Slack did not take the message: refused it, or stayed unavailable for longer than allowed."""
+class NotifyError(MedicError, RuntimeError):
+    """Raised when Slack did not take the message; the subclasses say whether it refused it or stayed
+    unavailable."""
+
+
+class NotifyRefusedError(NotifyError, PermanentError):
+    """Raised when Slack refused the call (invalid_auth, channel_not_found): asking again cannot help."""
+
+
+class NotifyUnavailableError(NotifyError, TransientError):
+    """Raised when Slack stayed unreachable, rate-limited or failing (5xx) for longer than `max_wait_s`."""
 
 
 def retry_after_s(headers: Mapping[str, Any]) -> float | None:
@@ -186,9 +196,9 @@ class SlackNotifier:
                 problem = f"{type(error).__name__}: {error}"
             problem = truncate(problem.strip(), PROBLEM_MAX)
             if pause is None:
-                raise NotifyError(f"Slack refused {method}: {problem}") from failure
+                raise NotifyRefusedError(f"Slack refused {method}: {problem}") from failure
             if self._clock() + pause > deadline:
-                raise NotifyError(
+                raise NotifyUnavailableError(
                     f"Slack {method} failed {attempt + 1} time(s), last with {problem}; "
                     f"gave up rather than wait longer than {self.max_wait_s:g} s in all"
                 ) from failure

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 
 from slack_sdk.signature import Clock, SignatureVerifier
 
+from medic.errors import PermanentError
+
 SECRET_ENV = "SLACK_SIGNING_SECRET"
 TIMESTAMP_HEADER = "x-slack-request-timestamp"
 SIGNATURE_HEADER = "x-slack-signature"
@@ -19,8 +21,8 @@ SIGNATURE_HEADER = "x-slack-signature"
 MAX_AGE_S = 300
 
 
-class SignatureError(ValueError):
-    """The request is not a fresh, correctly signed request from Slack; answer it with 401."""
+class SignatureError(PermanentError, ValueError):
+    """Raised when the request is not a fresh, correctly signed request from Slack; answer it with 401."""
 
 
 class _FixedClock(Clock):

@@ -12,8 +12,12 @@ from integrations.slurm.errors import (
     ResumeRefusedError,
     SlurmCommandError,
     SlurmError,
+    SlurmNotInstalledError,
+    SlurmRejectedError,
+    SlurmUnreachableError,
     UnknownJobError,
     UnknownSlurmNodeError,
+    UnsupportedSlurmActionError,
 )
 from integrations.slurm.provider import SlurmRebootProvider
 from integrations.slurm.scheduler import SlurmScheduler
@@ -25,8 +29,12 @@ __all__ = [
     "SlurmCli",
     "SlurmCommandError",
     "SlurmError",
+    "SlurmNotInstalledError",
     "SlurmRebootProvider",
+    "SlurmRejectedError",
     "SlurmScheduler",
+    "SlurmUnreachableError",
     "UnknownJobError",
     "UnknownSlurmNodeError",
+    "UnsupportedSlurmActionError",
 ]

@@ -8,10 +8,30 @@ import subprocess
 from collections.abc import Mapping
 from typing import Any
 
-from integrations.slurm.errors import SlurmCommandError, UnknownSlurmNodeError
+from integrations.slurm.errors import (
+    SlurmCommandError,
+    SlurmNotInstalledError,
+    SlurmRejectedError,
+    SlurmUnreachableError,
+    UnknownSlurmNodeError,
+)
 from integrations.slurm.records import SlurmJob, SlurmNode
 
 DEFAULT_TIMEOUT_S = 30.0
+# What the Slurm tools print (lower-cased) when slurmctld does not answer: worth asking again.
+UNREACHABLE = (
+    "unable to contact slurm controller",
+    "socket timed out",
+    "zero bytes were transmitted or received",
+    "connection refused",
+    "communication connection failure",
+    "resource temporarily unavailable",
+    "standby mode",
+)
+
+
+def _unreachable(said: str) -> bool:
+    return any(marker in said.lower() for marker in UNREACHABLE)
 
 
 class SlurmCli:
@@ -38,19 +58,22 @@ class SlurmCli:
         return env
 
     def run(self, *args: str) -> str:
-        """Run one command; its stdout, or SlurmCommandError carrying what Slurm printed."""
+        """Run one command; its stdout, or the SlurmCommandError of its branch carrying what Slurm
+        printed: unreachable (transient) when slurmctld did not answer, rejected (permanent) when it
+        answered no."""
         command = list(args)
         try:
             done = subprocess.run(
                 command, capture_output=True, text=True, timeout=self.timeout_s, env=self._env(), check=False
             )
         except FileNotFoundError as error:
-            raise SlurmCommandError(command, f"{command[0]} is not installed or not on PATH") from error
+            raise SlurmNotInstalledError(command, f"{command[0]} is not installed or not on PATH") from error
         except subprocess.TimeoutExpired as error:
-            raise SlurmCommandError(command, f"no answer within {self.timeout_s:.0f} s") from error
+            raise SlurmUnreachableError(command, f"no answer within {self.timeout_s:.0f} s") from error
         if done.returncode != 0:
             said = " ".join((done.stderr + " " + done.stdout).split()) or "no message"
-            raise SlurmCommandError(command, f"rc={done.returncode}: {said}", done.returncode)
+            failed = SlurmUnreachableError if _unreachable(said) else SlurmRejectedError
+            raise failed(command, f"rc={done.returncode}: {said}", done.returncode)
         return done.stdout
 
     def _json(self, *args: str) -> dict[str, Any]:
@@ -60,7 +83,8 @@ class SlurmCli:
         except json.JSONDecodeError as error:
             raise SlurmCommandError([*args, "--json"], f"output is not JSON: {out[:200]!r}") from error
         if data.get("errors"):
-            raise SlurmCommandError([*args, "--json"], f"Slurm reported errors: {data['errors']}")
+            failed = SlurmUnreachableError if _unreachable(str(data["errors"])) else SlurmCommandError
+            raise failed([*args, "--json"], f"Slurm reported errors: {data['errors']}")
         return data
 
     def nodes(self) -> list[SlurmNode]:

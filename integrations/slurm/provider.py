@@ -8,7 +8,7 @@ Conventions (`convention=`, env MEDIC_SLURM_ACTIONS):
   it. `resume_after_reboot=True` uses `scontrol reboot ASAP nextstate=RESUME` instead: Slurm itself
   returns the node to service when it is back, before any verification. Slurm has no GPU reset, so
   reset_gpu reboots the node (resetting every GPU) and says so; Slurm cannot replace hardware, so
-  replace raises SlurmError and the incident goes to a human.
+  replace raises UnsupportedSlurmActionError (a SlurmError) and the incident goes to a human.
 - "hyperpod": reboot and reset_gpu → `scontrol update nodename=N state=fail reason="Action:Reboot"`,
   replace → `reason="Action:Replace"`; HyperPod's agent does the work and returns the node to service
   itself. The reason no longer starts with "medic:", so GPU Medic will not resume the node.
@@ -25,7 +25,7 @@ from typing import Literal, cast, get_args
 
 from integrations.polling import poll
 from integrations.slurm.cli import SlurmCli
-from integrations.slurm.errors import NodeHeldByOthersError, SlurmError
+from integrations.slurm.errors import NodeHeldByOthersError, UnsupportedSlurmActionError
 from integrations.slurm.records import MEDIC_PREFIX, SlurmNode, is_ours
 
 Convention = Literal["scontrol", "hyperpod"]
@@ -101,7 +101,7 @@ class SlurmRebootProvider:
     def replace(self, node: str) -> str:
         if self.convention == "hyperpod":
             return self._hyperpod(node, "Replace")
-        raise SlurmError(
+        raise UnsupportedSlurmActionError(
             f"{node}: Slurm cannot replace hardware; use the HyperPod convention "
             f"({CONVENTION_VAR}=hyperpod) or a cloud provider, or replace it by hand"
         )

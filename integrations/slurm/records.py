@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from integrations.protocols import JobInfo, JobState, NodeInfo, NodeState
+from medic.protocols import JobInfo, JobState, NodeInfo, NodeState
 
 # Drains we make carry this prefix (see NodeInfo.drained_by_medic); anything else belongs to others.
 MEDIC_PREFIX = "medic:"

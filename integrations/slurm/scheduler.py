@@ -12,7 +12,6 @@ change the node. The window is one scontrol round trip.
 
 from __future__ import annotations
 
-from integrations.protocols import JobInfo, JobState, NodeInfo
 from integrations.slurm.cli import SlurmCli
 from integrations.slurm.errors import (
     NodeHeldByOthersError,
@@ -24,6 +23,7 @@ from integrations.slurm.errors import (
     UnknownSlurmNodeError,
 )
 from integrations.slurm.records import SlurmJob
+from medic.protocols import JobInfo, JobState, NodeInfo
 
 
 class SlurmScheduler:

@@ -35,7 +35,7 @@ Check = Callable[[When, Facts], str | None]
 
 
 def _kinds(when: When, f: Facts) -> str | None:
-    hit = sorted(k.value for k in f.kinds if k in when.kinds)  # type: ignore[operator]
+    hit = sorted(k.value for k in f.kinds.intersection(when.kinds or ()))
     return f"kind {', '.join(hit)}" if hit else None
 
 
@@ -212,7 +212,12 @@ def _switch(when: When, f: Facts) -> str | None:
     nodes = own | {e.node for e in f.context.window(cond.kinds, start, end, "switch", f.switch)}
     size = f.context.switch_sizes.get(f.switch)
     enough = cond.nodes_at_least is not None and len(nodes) >= cond.nodes_at_least
-    share = cond.fraction_at_least is not None and bool(size) and len(nodes) / size >= cond.fraction_at_least
+    share = (
+        cond.fraction_at_least is not None
+        and size is not None
+        and size > 0
+        and len(nodes) / size >= cond.fraction_at_least
+    )
     if not (enough or share):
         return None
     of = f" of {size}" if size else ""

@@ -10,6 +10,7 @@ from typing import TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from medic.errors import PermanentError
 from medic.policy.model import DuplicateRuleId, Policy
 
 M = TypeVar("M", bound=BaseModel)
@@ -26,7 +27,9 @@ class PolicyProblem:
         return f"{self.file}:{self.line}:{self.column}: {self.message}"
 
 
-class PolicyError(Exception):
+class PolicyError(PermanentError):
+    """Raised when a policy (or config) file does not validate, with one problem per file:line:column."""
+
     def __init__(self, problems: list[PolicyProblem]) -> None:
         super().__init__("\n".join(map(str, problems)))
         self.problems = problems

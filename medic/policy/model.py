@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from medic.dcgm_errors import Severity
+from medic.errors import PermanentError
 from medic.events import EventKind
 from medic.incidents import StormRule, Storms
 
@@ -61,8 +62,8 @@ DESTRUCTIVE = frozenset({Action.RESET_GPU, Action.REBOOT, Action.REPLACE})
 OUT_OF_SERVICE = DESTRUCTIVE | {Action.DRAIN}
 
 
-class DuplicateRuleId(ValueError):
-    """Carries the index of the second rule with an id, so the loader can point at it."""
+class DuplicateRuleId(PermanentError, ValueError):
+    """Raised when two rules share an id; carries the second one's index, so the loader can point at it."""
 
     def __init__(self, rule_id: str, index: int) -> None:
         super().__init__(f"rule id {rule_id!r} is used twice")

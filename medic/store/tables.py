@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Column, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
+from medic.statuses import IncidentStatus
 from medic.store.types import UTCDateTime
 
 
@@ -60,7 +61,8 @@ class IncidentRecord(SQLModel, table=True):
     opened_at: datetime = _time(index=True)
     last_event_at: datetime = _time()
     closed_at: datetime | None = _time(nullable=True)
-    status: str = Field(default="open", index=True)  # open | remediating | closed
+    # The statuses are StrEnums (medic/statuses.py) over a plain string column: rows read back hold str.
+    status: str = Field(default=IncidentStatus.OPEN, index=True)  # an IncidentStatus
     jobs: list[str] | None = _json()
     owner: str | None = Field(default=None, index=True)
     classification: str | None = None
@@ -81,7 +83,7 @@ class StepRecord(SQLModel, table=True):
     stage: str
     started_at: datetime = _time()
     finished_at: datetime = _time()
-    status: str  # ok | failed | skipped
+    status: str  # a StepStatus
     summary: str = Field(default="", sa_column=Column(Text, nullable=False))
     detail: dict[str, Any] | None = _json()
 
@@ -133,7 +135,7 @@ class ActionRecord(SQLModel, table=True):
     incident_id: str = Field(index=True)
     node: str = Field(index=True)
     action: str
-    status: str  # intent | succeeded | failed
+    status: str  # an ActionStatus
     attempts: int = 0
     intent_at: datetime = _time()
     finished_at: datetime | None = _time(nullable=True)

@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from apps.cli._common import PolicyOption, console, err
+from apps.cli.render import action_text
 from integrations.dcgm.parse import DcgmOutputError, DiagReport, Status, Verdict, parse_report
-from medic.cli.render import action_text
 from medic.config import load_settings
 from medic.events import FaultEvent
 from medic.policy import LoadedPolicy, PolicyError, load_policy
@@ -23,9 +23,6 @@ from medic.policy.model import Decision
 from medic.triage import triage
 
 dcgm_app = typer.Typer(help="Read DCGM diagnostic output.", no_args_is_help=True)
-
-console = Console()
-err = Console(stderr=True, soft_wrap=True)
 
 STATUS_STYLE = {Status.FAIL: "bold red", Status.WARN: "yellow", Status.PASS: "green", Status.SKIP: "dim"}
 
@@ -143,10 +140,7 @@ def explain(
         Path, typer.Argument(help="Saved output of `dcgmi diag -r N -j`; - reads standard input.")
     ],
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object instead of tables.")] = False,
-    policy: Annotated[
-        Path | None,
-        typer.Option("--policy", "-p", help="Policy file (default: $MEDIC_POLICY or policies/default.yaml)."),
-    ] = None,
+    policy: PolicyOption = None,
     level: Annotated[
         int | None,
         typer.Option(

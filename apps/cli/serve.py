@@ -1,6 +1,6 @@
 """`medic serve` and `medic emit`: the HTTP ingest service and its client (docs/serve.md).
 
-Plain functions with typer options, registered in medic/cli/app.py.
+Plain functions with typer options, registered in apps/cli/app.py.
 """
 
 from __future__ import annotations
@@ -14,17 +14,15 @@ from typing import TYPE_CHECKING, Annotated
 
 import httpx
 import typer
-from rich.console import Console
 from rich.markup import escape
 
-from medic.server import DEFAULT_HOST, DEFAULT_PORT
+from apps.cli._common import err
+from apps.server import DEFAULT_HOST, DEFAULT_PORT
+from apps.server.emit import DEFAULT_URL, TOKEN_ENV, URL_ENV, build_event, parse_attribute, post_events
 
 if TYPE_CHECKING:
+    from apps.server.slack import SlackCallbacks
     from flows.live import LiveDispatcher
-    from medic.server.slack import SlackCallbacks
-from medic.server.emit import DEFAULT_URL, TOKEN_ENV, URL_ENV, build_event, parse_attribute, post_events
-
-err = Console(stderr=True, soft_wrap=True)
 
 
 class Dispatch(StrEnum):
@@ -47,8 +45,8 @@ def serve(
     ] = Dispatch.LOCAL,
 ) -> None:
     """Run the HTTP ingest service: POST /v1/events, GET /healthz, GET /metrics."""
-    from medic.server.main import ServeConfigError
-    from medic.server.main import serve as run_server
+    from apps.server.main import ServeConfigError
+    from apps.server.main import serve as run_server
 
     if dispatch is Dispatch.PREFECT and not _prefect_api_url():
         # An embedded Prefect server has no workers: every incident would wait forever.
@@ -71,9 +69,9 @@ def _remediation(dispatch: Dispatch) -> tuple[LiveDispatcher, SlackCallbacks]:
     """
     from prefect.flow_runs import resume_flow_run
 
+    from apps.server.slack import SlackCallbacks
     from flows.deployed import DeployedDispatcher
     from flows.live import LiveDispatcher
-    from medic.server.slack import SlackCallbacks
     from tasks.runtime import current
 
     rt = current()

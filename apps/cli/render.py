@@ -9,8 +9,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from integrations.protocols import Message
 from medic.intake import Rejection
+from medic.protocols import Message
 from medic.store import IncidentDetail
 from medic.store.tables import IncidentRecord
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
+from integrations.kernel_log import KernelLog, KernelXid, parse_xid
 from integrations.nvml import (
     EccCounts,
     GpuSnapshot,
@@ -27,9 +28,8 @@ from integrations.nvml import (
     RowRemap,
     Unavailable,
 )
+from integrations.sinks import EventSink
 from medic.events import EventKind, FaultEvent
-from medic.kernel_log import KernelLog, KernelXid, parse_xid
-from medic.sinks import EventSink
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from apps.server.decode import Decoded
 from medic.events import EventKind
 from medic.intake import MAX_LINE_BYTES, Rejection, parse_line
-from medic.server.decode import Decoded
 
 SECRET_ENV = "MEDIC_SENTRY_CLIENT_SECRET"
 SIGNATURE_HEADER = "Sentry-Hook-Signature"

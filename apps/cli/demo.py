@@ -1,4 +1,8 @@
-"""`medic demo`: a simulated 12-node fleet, a few real-looking faults, the real flows end to end."""
+"""`medic demo`: a simulated 12-node fleet, a few real-looking faults, the real flows end to end.
+
+The flows and the Prefect runner are imported inside `demo`: the rest of the CLI, `--help`
+included, must not pay Prefect's import.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import typer
+from rich.table import Table
+
+from apps.cli import render
+from apps.cli._common import console, load_policy_or_exit
 from integrations import registry
 from integrations.sim.fleet import SimFleet
 from integrations.sim.notifier import RecordingNotifier
+from medic.config import load_settings
 from medic.events import event_time
+from medic.intake import read_lines
+from medic.store import Store
+from tasks.runtime import Runtime, configure
 
 # Extra lines a real feed would contain too: they must be rejected, kept, and not stop the rest.
 BAD_LINES = (
@@ -136,3 +149,66 @@ def write_events(lines: list[str], path: Path) -> Path:
 
 def stage_columns() -> Iterator[str]:
     yield from ("triage", "diagnose", "decide", "act", "resume job", "verify", "notify", "close")
+
+
+def _stage_times(store: Store, incident_ids: list[str]) -> Table:
+    columns = list(stage_columns())
+    table = Table(title="Seconds per stage", title_justify="left")
+    table.add_column("incident")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for incident_id in incident_ids:
+        detail = store.incident_detail(incident_id)
+        spent = dict.fromkeys(columns, 0.0)
+        for step in detail.steps if detail else ():
+            key = next((c for c in columns if step.stage.startswith(c.split()[0])), None)
+            if key:
+                spent[key] += (step.finished_at - step.started_at).total_seconds()
+        table.add_row(incident_id, *(f"{spent[c]:.3f}" if spent[c] else "-" for c in columns))
+    return table
+
+
+def demo(
+    keep: Annotated[bool, typer.Option(help="Keep the demo's earlier incidents in the store.")] = False,
+) -> None:
+    """Run a simulated 8-node fleet through real Prefect flows (no servers to set up)."""
+    from apps.cli.prefect_run import run_flows
+    from flows.dispatch import remediate_all
+
+    settings = load_settings()
+    database = settings.home / "demo.db"
+    if not keep:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{database}{suffix}").unlink(missing_ok=True)
+    scenario = build_scenario()
+    events_file = write_events(scenario.lines, settings.home / "demo-events.jsonl")
+    backends, notifier = simulated_backends(scenario)
+    loaded = load_policy_or_exit(None)
+    store = Store(f"sqlite:///{database}")
+    rt = configure(Runtime(store, backends, Path(loaded.path)))
+
+    console.rule("[bold]GPU Medic demo[/bold]: 8 simulated nodes, 2 training jobs")
+    for line in scenario.story:
+        console.print(f"  • {line}")
+    console.print(f"[dim]events: {events_file}; store: {database}; policy: {loaded.path}[/dim]\n")
+    intake = read_lines(scenario.lines, events_file.name)
+    dispatch = run_flows(remediate_all(rt, intake))
+
+    console.print(render.rejections_table(intake.rejected))
+    console.print(render.incidents_table(store.get_incidents([i.id for i in dispatch.incidents])))
+    outcomes = Table(title="Outcomes", title_justify="left")
+    for column in ("incident", "node", "diagnostics", "outcome"):
+        outcomes.add_column(column, overflow="fold")
+    for o in dispatch.outcomes:
+        outcomes.add_row(o.incident, o.node, ", ".join(o.diagnostics) or "-", o.summary)
+    console.print(outcomes)
+    console.print(_stage_times(store, [i.id for i in dispatch.incidents]))
+    console.rule("Messages for the owners")
+    for thread in notifier.threads.values():
+        console.print(render.message_panel(thread.message, thread.replies))
+    console.print(
+        "\nNext: [bold]prefect flow-run ls[/bold] shows the runs; "
+        f"[bold]MEDIC_DATABASE_URL=sqlite:///{database} medic incident <id>[/bold] shows one step by step."
+    )
+    if dispatch.failed:
+        raise typer.Exit(1)

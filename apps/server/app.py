@@ -21,16 +21,16 @@ from fastapi.responses import JSONResponse
 from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel
 
+from apps.server import sentry
+from apps.server.auth import SIGNATURE_HEADER, Auth
+from apps.server.decode import Decoded, Problem, decode
+from apps.server.metrics import IngestMetrics
+from apps.server.slack import SlackCallbacks
+from apps.server.slack import handle as handle_slack
 from medic.events import FaultEvent
-from medic.server import sentry
-from medic.server.auth import SIGNATURE_HEADER, Auth
-from medic.server.decode import Decoded, Problem, decode
-from medic.server.metrics import IngestMetrics
-from medic.server.slack import SlackCallbacks
-from medic.server.slack import handle as handle_slack
 from medic.store import Store
 
-log = logging.getLogger("medic.server")
+log = logging.getLogger("apps.server")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 OnAccepted = Callable[[list[FaultEvent]], Awaitable[None]]

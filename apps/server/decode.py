@@ -13,9 +13,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from apps.server.cloudevents import is_cloudevent, to_envelope
 from medic.events import FaultEvent
 from medic.intake import MAX_LINE_BYTES, Rejection, parse_line
-from medic.server.cloudevents import is_cloudevent, to_envelope
 
 LINES_TYPES = frozenset(
     {"application/x-ndjson", "application/ndjson", "application/jsonl", "application/x-jsonlines"}

@@ -8,13 +8,12 @@ from dataclasses import asdict
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from apps.cli._common import console
 from medic import advise
 
 advise_app = typer.Typer(help="Advice computed from a few numbers, no cluster needed.", no_args_is_help=True)
-console = Console()
 
 
 @advise_app.callback()
@@ -38,9 +37,9 @@ def checkpoint(
     if (gpu_mtbf_hours is None) == (job_mtbf_hours is None):
         raise typer.BadParameter("give exactly one of --gpu-mtbf-hours and --job-mtbf-hours")
     try:
-        if gpu_mtbf_hours is not None:
-            job_mtbf_hours = advise.job_mtbf_hours(gpu_mtbf_hours, gpus)
-        advice = advise.advise_checkpoint(save_seconds, job_mtbf_hours)  # type: ignore[arg-type]
+        mtbf = advise.job_mtbf_hours(gpu_mtbf_hours, gpus) if gpu_mtbf_hours is not None else job_mtbf_hours
+        assert mtbf is not None  # exactly one of the two was given, checked above
+        advice = advise.advise_checkpoint(save_seconds, mtbf)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from None
     if as_json:

@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 
+from apps.server import DEFAULT_HOST, DEFAULT_PORT
 from medic.events import event_time
-from medic.server import DEFAULT_HOST, DEFAULT_PORT
 
 DEFAULT_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
 URL_ENV = "MEDIC_URL"

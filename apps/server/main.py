@@ -9,11 +9,11 @@ from types import FrameType
 
 import uvicorn
 
+from apps.server import DEFAULT_HOST, DEFAULT_PORT, sentry
+from apps.server.app import OnAccepted, create_app
+from apps.server.auth import HMAC_SECRET_ENV, TOKENS_ENV, credentials_from_env
+from apps.server.slack import SlackCallbacks
 from medic.config import load_settings
-from medic.server import DEFAULT_HOST, DEFAULT_PORT, sentry
-from medic.server.app import OnAccepted, create_app
-from medic.server.auth import HMAC_SECRET_ENV, TOKENS_ENV, credentials_from_env
-from medic.server.slack import SlackCallbacks
 from medic.store import Store
 
 

@@ -1,8 +1,8 @@
 """Slurm hooks: a DCGM diagnostic on this node, reported to GPU Medic (docs/agent.md).
 
-    python -m medic.hooks prolog        # Prolog: DCGM level 1 before each job
-    python -m medic.hooks epilog        # Epilog: DCGM level 2, only after a job that failed
-    python -m medic.hooks healthcheck   # HealthCheckProgram: DCGM level 1
+    python -m apps.hooks prolog        # Prolog: DCGM level 1 before each job
+    python -m apps.hooks epilog        # Epilog: DCGM level 2, only after a job that failed
+    python -m apps.hooks healthcheck   # HealthCheckProgram: DCGM level 1
 
 deployments/slurm/medic-*.sh call this with PATH and Python set (Slurm gives hooks no PATH).
 Events go where the agent's do: $MEDIC_EVENTS_FILE, else $MEDIC_URL (+ $MEDIC_TOKEN), else stdout.
@@ -26,17 +26,17 @@ from typing import Any
 
 from integrations.dcgm.diagnostics import DcgmDiagnostics
 from integrations.dcgm.runner import LocalRunner
-from integrations.protocols import DiagnosticResult
+from integrations.sinks import sink_from
 from medic.events import EventKind, FaultEvent
-from medic.sinks import sink_from
+from medic.protocols import DiagnosticResult
 
-log = logging.getLogger("medic.hooks")
+log = logging.getLogger("apps.hooks")
 
 SOURCE = "slurm"
 LEVELS = {"prolog": 1, "epilog": 2, "healthcheck": 1}
 # dcgmi's own run times are ~10 s (level 1) and ~2 min (level 2); past these something hangs.
 DEFAULT_TIMEOUT_S = {1: 120.0, 2: 600.0}
-USAGE = "usage: python -m medic.hooks prolog|epilog|healthcheck"
+USAGE = "usage: python -m apps.hooks prolog|epilog|healthcheck"
 # A failed diagnostic in a fail-closed prolog; deployments/slurm/medic-hook.sh turns it into 1 and
 # every other non-zero status (a crash, a Python without GPU Medic) into 0.
 FAIL_CLOSED = 10

@@ -1,0 +1,41 @@
+"""The `medic` command line (docs/cli.md): the root app; each command family has its own module."""
+
+from __future__ import annotations
+
+import typer
+
+from apps.cli._common import err
+from apps.cli.advise import advise_app
+from apps.cli.agent import agent
+from apps.cli.breaker import breaker_app
+from apps.cli.dcgm import dcgm_app
+from apps.cli.demo import demo
+from apps.cli.goodput import goodput
+from apps.cli.incidents import incident, incidents
+from apps.cli.policy import policy_app
+from apps.cli.serve import emit, serve
+from apps.cli.triage import ingest, schema, triage
+from medic.policy import PolicyError
+
+app = typer.Typer(
+    name="medic",
+    help="GPU Medic: automated fault remediation for GPU training clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+# `medic --help` lists the commands in registration order: keep it.
+for command in (serve, agent, emit, triage, ingest, incidents, incident, demo, goodput, schema):
+    app.command()(command)
+app.add_typer(policy_app, name="policy")
+app.add_typer(dcgm_app, name="dcgm")
+app.add_typer(advise_app, name="advise")
+app.add_typer(breaker_app, name="breaker")
+
+
+def main() -> None:
+    try:
+        app()
+    except PolicyError as error:  # a broken config file: file:line:column, no traceback
+        err.print(str(error), markup=False, highlight=False)
+        raise SystemExit(2) from None

@@ -1,0 +1,53 @@
+"""`medic incidents` and `medic incident`: what the store recorded."""
+
+from __future__ import annotations
+
+import sys
+from datetime import UTC, datetime, timedelta
+from typing import Annotated
+
+import typer
+
+from apps.cli import render
+from apps.cli._common import console, err
+from medic.config import load_settings
+from medic.store import Store
+
+
+def _since(value: str | None) -> datetime | None:
+    if not value:
+        return None
+    units = {"m": "minutes", "h": "hours", "d": "days"}
+    if value[-1] in units and value[:-1].isdigit():
+        return datetime.now(UTC) - timedelta(**{units[value[-1]]: int(value[:-1])})
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise typer.BadParameter("use an RFC 3339 time or a span like 30m, 6h, 7d") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def incidents(
+    node: Annotated[str | None, typer.Option(help="Incidents with any event on this node.")] = None,
+    job: Annotated[str | None, typer.Option(help="Incidents with any event from this job.")] = None,
+    owner: Annotated[str | None, typer.Option(help="Incidents of this job owner.")] = None,
+    since: Annotated[str | None, typer.Option(help="RFC 3339 time or a span: 30m, 6h, 7d.")] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Find incidents in the store: "which jobs did this node touch?", "everything for job J"."""
+    store = Store(load_settings().database_url)
+    rows = store.find_incidents(node=node, job=job, owner=owner, since=_since(since))
+    if as_json:
+        for row in rows:
+            sys.stdout.write(row.model_dump_json() + "\n")
+        return
+    console.print(render.incidents_table(rows, title=f"{len(rows)} incidents"))
+
+
+def incident(incident_id: str) -> None:
+    """Everything the store recorded for one incident, step by step."""
+    detail = Store(load_settings().database_url).incident_detail(incident_id)
+    if detail is None:
+        err.print(f"[red]no incident {incident_id}[/red]")
+        raise typer.Exit(1)
+    console.print(render.incident_view(detail))

@@ -1,0 +1,166 @@
+"""Fault events in the store: accepted, tied to incidents, and a node's remediation history.
+
+An event id is stored once: every writer skips the ids already there, and the HTTP ingest,
+which races other writers, looks again when a concurrent one stored an id first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import insert, update
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import col, select
+
+from medic.events import FaultEvent
+from medic.incidents import Incident
+from medic.store.actions import succeeded_actions
+from medic.store.engine import StoreBase, utcnow
+from medic.store.tables import EventRecord
+
+# Actions that count as a remediation in a node's history (drains and resumes do not).
+NODE_REMEDIATIONS = frozenset({"reset_gpu", "reboot", "replace"})
+
+
+class EventsMixin(StoreBase):
+    def known_event_ids(self, ids: Iterable[str]) -> set[str]:
+        wanted = list(ids)
+        found: set[str] = set()
+        with self.session() as s:
+            for start in range(0, len(wanted), 500):
+                chunk = wanted[start : start + 500]
+                found.update(s.exec(select(EventRecord.id).where(col(EventRecord.id).in_(chunk))))
+        return found
+
+    def record_events(self, incidents: Iterable[Incident], received_at: datetime | None = None) -> int:
+        """Store each incident's events (one transaction); ids already stored are skipped."""
+        received_at = received_at or utcnow()
+        pairs = [(e, i.id) for i in incidents for e in i.events]
+        known = self.known_event_ids(e.id for e, _ in pairs)
+        rows = [_event_row(e, inc, received_at) for e, inc in pairs if e.id not in known]
+        with self.session() as s:
+            s.add_all(rows)
+            s.commit()
+        return len(rows)
+
+    def add_event(self, event: FaultEvent, incident_id: str | None) -> bool:
+        """Store one event (e.g. a diagnostic result we produced); False if its id was known."""
+        with self.session() as s:
+            if s.get(EventRecord, event.id) is not None:
+                return False
+            s.add(_event_row(event, incident_id, utcnow()))
+            s.commit()
+            return True
+
+    def record_history(self, events: Iterable[FaultEvent]) -> None:
+        """Store events that belong to no incident (a node's remediation history)."""
+        events = list(events)
+        known = self.known_event_ids(e.id for e in events)
+        with self.session() as s:
+            s.add_all(_event_row(e, None, utcnow()) for e in events if e.id not in known)
+            s.commit()
+
+    def record_accepted(self, events: Iterable[FaultEvent]) -> list[FaultEvent]:
+        """Store events not yet tied to an incident (one transaction); returns the ones that were new.
+
+        Used where an event must be durable before anyone correlates it (the HTTP ingest).
+        A concurrent writer may store one of the same ids first: then look again and skip it.
+        """
+        unique: dict[str, FaultEvent] = {}
+        for event in events:
+            unique.setdefault(event.id, event)
+        received_at = utcnow()
+        while True:
+            known = self.known_event_ids(unique)
+            fresh = [e for e in unique.values() if e.id not in known]
+            if not fresh:
+                return fresh
+            with self.session() as s:
+                # A bulk INSERT, not ORM objects: building those costs 10x the write itself.
+                try:
+                    s.exec(insert(EventRecord), params=[_event_values(e, None, received_at) for e in fresh])
+                    s.commit()
+                except IntegrityError:
+                    s.rollback()
+                    continue
+            return fresh
+
+    def attach_events(self, incidents: Iterable[Incident]) -> int:
+        """Tie stored events that have no incident yet to their incident; returns the rows changed."""
+        changed = 0
+        with self.session() as s:
+            for incident in incidents:
+                ids = [e.id for e in incident.events]
+                query = (
+                    update(EventRecord)
+                    .where(col(EventRecord.id).in_(ids))
+                    .where(col(EventRecord.incident_id).is_(None))
+                    .values(incident_id=incident.id)
+                )
+                changed += s.exec(query).rowcount
+            s.commit()
+        return changed
+
+    def undispatched_events(self) -> list[FaultEvent]:
+        """Accepted events no incident holds yet (a node's remediation history aside), oldest first."""
+        query = (
+            select(EventRecord)
+            .where(col(EventRecord.incident_id).is_(None))
+            .where(EventRecord.kind != "remediation")
+            .order_by(col(EventRecord.time), col(EventRecord.id))
+        )
+        with self.session() as s:
+            return [_event_of(r) for r in s.exec(query)]
+
+    def incident_events(self, incident_id: str) -> list[FaultEvent]:
+        query = select(EventRecord).where(EventRecord.incident_id == incident_id)
+        with self.session() as s:
+            return [_event_of(r) for r in s.exec(query.order_by(col(EventRecord.time), col(EventRecord.id)))]
+
+    def events_between(self, start: datetime, end: datetime) -> list[FaultEvent]:
+        """Every stored event in a time range: the cluster context for cross-node rules."""
+        query = select(EventRecord).where(col(EventRecord.time) >= start).where(col(EventRecord.time) <= end)
+        with self.session() as s:
+            return [_event_of(r) for r in s.exec(query)]
+
+    def node_history(self, node: str, since: datetime) -> list[FaultEvent]:
+        """`remediation` events for a node: reported ones, plus our own successful actions."""
+        reported = (
+            select(EventRecord)
+            .where(EventRecord.node == node)
+            .where(EventRecord.kind == "remediation")
+            .where(col(EventRecord.time) >= since)
+        )
+        with self.session() as s:
+            history = [_event_of(r) for r in s.exec(reported)]
+            ours = succeeded_actions(s, since, node=node)
+        history.extend(
+            FaultEvent(
+                id=f"action-{action.key}",
+                time=action.intent_at,
+                source="medic",
+                kind="remediation",
+                node=node,
+                attributes={"action": action.action, "incident": action.incident_id},
+            )
+            for action in ours
+            if action.action in NODE_REMEDIATIONS
+        )
+        return sorted(history, key=lambda e: e.time)
+
+
+def _event_of(row: EventRecord) -> FaultEvent:
+    return FaultEvent.model_validate(
+        row.model_dump(exclude={"received_at", "incident_id"}, exclude_none=True)
+    )
+
+
+def _event_values(event: FaultEvent, incident_id: str | None, received_at: datetime) -> dict[str, Any]:
+    values = event.model_dump(mode="python", exclude={"kind"})
+    return values | {"kind": event.kind.value, "received_at": received_at, "incident_id": incident_id}
+
+
+def _event_row(event: FaultEvent, incident_id: str | None, received_at: datetime) -> EventRecord:
+    return EventRecord(**_event_values(event, incident_id, received_at))
