@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
+from medic.statuses import StepStatus
 from medic.store import IncidentDetail
 
 
@@ -43,7 +44,9 @@ def incident_costs(detail: IncidentDetail) -> list[IncidentCost]:
     first = min(detail.events, key=lambda e: e.time)
     detection = max(0.0, (first.received_at - first.time).total_seconds())
     resumed = {
-        (s.detail or {}).get("job"): s for s in detail.steps if s.stage == "resume job" and s.status == "ok"
+        (s.detail or {}).get("job"): s
+        for s in detail.steps
+        if s.stage == "resume job" and s.status == StepStatus.OK
     }
     costs = []
     for job in detail.incident.jobs or []:

@@ -6,6 +6,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from medic.events import FaultEvent
+from medic.statuses import StepStatus
 from medic.store import utcnow
 from tasks.evidence import record_diagnostic
 from tasks.node_ops import ensure_drained
@@ -51,7 +52,7 @@ def diagnose(incident_id: str, node: str, level: int) -> DiagnosticOutcome:
             f"DCGM level {level} {result.result}"
             + (f" ({', '.join(result.error_ids)})" if result.error_ids else "")
             + (f"; {drained}" if drained else ""),
-            status="ok" if result.result != "error" else "failed",
+            status=StepStatus.OK if result.result != "error" else StepStatus.FAILED,
             level=level,
             error_ids=list(result.error_ids),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from medic.protocols import NodeState
+from medic.statuses import ActionStatus
 from tasks.runtime import Runtime
 
 
@@ -24,9 +25,9 @@ def ensure_drained(rt: Runtime, incident_id: str, node: str, why: str) -> str:
     try:
         rt.backends.scheduler.drain(node, drain_reason(incident_id, why))
     except Exception as error:
-        rt.store.finish_action(key, "failed", f"{type(error).__name__}: {error}")
+        rt.store.finish_action(key, ActionStatus.FAILED, f"{type(error).__name__}: {error}")
         raise
-    rt.store.finish_action(key, "succeeded", f"drained {node}", attempts=1 if fresh else 0)
+    rt.store.finish_action(key, ActionStatus.SUCCEEDED, f"drained {node}", attempts=1 if fresh else 0)
     return f"drained {node}"
 
 
@@ -38,5 +39,5 @@ def resume_node(rt: Runtime, incident_id: str, node: str) -> str:
     key = f"{incident_id}:{node}:resume"
     rt.store.claim_action(key, incident_id, node, "resume")
     rt.backends.scheduler.resume(node)
-    rt.store.finish_action(key, "succeeded", f"resumed {node}")
+    rt.store.finish_action(key, ActionStatus.SUCCEEDED, f"resumed {node}")
     return f"resumed {node}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from medic.protocols import BootClock
+from medic.statuses import ActionStatus
 from tasks.runtime import Runtime
 
 REBOOTING = frozenset({"reboot", "replace"})
@@ -22,12 +23,12 @@ def reconcile_intents(rt: Runtime) -> list[str]:
             continue
         if booted >= action.intent_at:
             rt.store.finish_action(
-                action.key, "succeeded", f"reconciled: {action.node} booted at {booted:%H:%M:%S}"
+                action.key, ActionStatus.SUCCEEDED, f"reconciled: {action.node} booted at {booted:%H:%M:%S}"
             )
             settled.append(f"{action.key}: done (booted after the intent)")
         else:
             rt.store.finish_action(
-                action.key, "failed", "reconciled: the node has not booted since the intent"
+                action.key, ActionStatus.FAILED, "reconciled: the node has not booted since the intent"
             )
             settled.append(f"{action.key}: not done (may be retried)")
     return settled

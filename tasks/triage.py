@@ -8,6 +8,7 @@ from pydantic import BaseModel
 
 from medic.incidents import Scope
 from medic.policy import Decision
+from medic.statuses import IncidentStatus
 from tasks.evidence import evaluate, load_incident
 from tasks.retry import transient_only
 from tasks.runtime import current
@@ -49,7 +50,7 @@ def triage(incident_id: str) -> Triage:
         channel = owners.get(decision.owner or owner or "", owners.get("default", "#gpu-medic"))
         rt.store.update_incident(
             incident_id,
-            status="remediating",
+            status=IncidentStatus.REMEDIATING,
             owner=owner,
             jobs=jobs,
             classification=decision.classification.value,

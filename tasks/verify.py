@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import task
 from pydantic import BaseModel
 
+from medic.statuses import StepStatus
 from tasks.evidence import record_diagnostic
 from tasks.node_ops import resume_node
 from tasks.retry import transient_only
@@ -37,5 +38,5 @@ def verify(incident_id: str, node: str, level: int, ready_timeout_s: float = 180
                     passed=False,
                     detail=f"DCGM level {level} {result.result} after repair; kept out of service",
                 )
-        log.done(outcome.detail, status="ok" if outcome.passed else "failed")
+        log.done(outcome.detail, status=StepStatus.OK if outcome.passed else StepStatus.FAILED)
         return outcome
