@@ -94,7 +94,16 @@ def evaluate(rt: Runtime, incident_id: str) -> Decision:
     decision = guardrails.apply(
         policy.guardrails, state, incident.node, decide(policy, facts, loaded.sha256), incident.scope
     )
-    if decision.guardrail == "circuit_breaker" and not state.breaker_open:
-        rt.store.open_breaker(decision.reason, incident_id)
+    guard = (decision.guardrail, decision.reason) if decision.guardrail else None
+    record_breaker_trip(rt, state, guard, incident_id)
     rt.store.add_decision(decision, loaded.path)
     return decision
+
+
+def record_breaker_trip(
+    rt: Runtime, state: FleetState, stopped: tuple[str, str] | None, incident_id: str
+) -> None:
+    """Open the breaker when a check finds it tripped, wherever that check ran: a trip seen only
+    at the last check before an action is as real as one seen when deciding."""
+    if stopped is not None and stopped[0] == "circuit_breaker" and not state.breaker_open:
+        rt.store.open_breaker(stopped[1], incident_id)

@@ -28,7 +28,7 @@ from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 from medic.errors import MedicError, PermanentError, TransientError
 from medic.policy import Decision, guardrails
 from medic.store import utcnow
-from tasks.evidence import fleet_state
+from tasks.evidence import fleet_state, record_breaker_trip
 from tasks.runtime import Runtime
 
 NODE_ACTIONS_LIMIT = "medic-node-actions"
@@ -55,7 +55,9 @@ def guarded(rt: Runtime, node: str, decision: Decision) -> Iterator[tuple[str, s
     def recheck() -> tuple[str, str] | None:
         policy = rt.policy().policy
         state = fleet_state(rt, policy, utcnow(), rt.backends.scheduler.nodes())
-        return guardrails.check(policy.guardrails, state, node, decision)
+        stopped = guardrails.check(policy.guardrails, state, node, decision)
+        record_breaker_trip(rt, state, stopped, decision.incident)
+        return stopped
 
     if flow_run.id is None:  # called directly (tests, benchmarks): one process, nothing to race
         yield recheck()

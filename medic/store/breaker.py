@@ -1,11 +1,13 @@
 """The circuit breaker: opened by a storm, closed only by a human.
 
-At most one opening is current (no `closed_at`); opening it again while it is open returns
-that one, and the history of openings stays.
+At most one opening is current (no `closed_at`), enforced by a unique partial index so that
+replicas opening it at once make one row; opening it again while it is open returns that one,
+and the history of openings stays.
 """
 
 from __future__ import annotations
 
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import col, select
 
 from medic.store.engine import StoreBase, utcnow
@@ -22,8 +24,13 @@ class BreakerMixin(StoreBase):
                 return current
             row = BreakerRecord(opened_at=utcnow(), reason=reason, incident_id=incident_id)
             s.add(row)
-            s.commit()
-            return row
+            try:
+                s.commit()
+                return row
+            except IntegrityError:  # another replica opened it between our look and our insert
+                s.rollback()
+        with self.session() as s:
+            return s.exec(_CURRENT).one()
 
     def open_breaker_record(self) -> BreakerRecord | None:
         with self.session() as s:

@@ -6,6 +6,7 @@ short session and commits before it returns, so a caller never holds a transacti
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -15,7 +16,11 @@ from typing import Any
 from sqlalchemy import event as sa_event
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.schema import CreateIndex
 from sqlmodel import Session, SQLModel, create_engine
+
+log = logging.getLogger(__name__)
 
 
 def utcnow() -> datetime:
@@ -33,6 +38,17 @@ def _sqlite_pragmas(engine: Engine) -> None:
         cursor.close()
 
 
+def _ensure_indexes(engine: Engine) -> None:
+    """Indexes added since a table was first created: `create_all` makes them only with the table."""
+    for table in SQLModel.metadata.sorted_tables:
+        for index in table.indexes:
+            try:
+                with engine.begin() as connection:
+                    connection.execute(CreateIndex(index, if_not_exists=True))
+            except IntegrityError as error:  # rows written before the index break it: say so, go on
+                log.warning("store index %s not created: %s", index.name, error.orig)
+
+
 class StoreBase:
     def __init__(self, url: str) -> None:
         self.url = url
@@ -42,6 +58,7 @@ class StoreBase:
         if self.engine.dialect.name == "sqlite":
             _sqlite_pragmas(self.engine)
         SQLModel.metadata.create_all(self.engine)
+        _ensure_indexes(self.engine)
 
     def close(self) -> None:
         self.engine.dispose()

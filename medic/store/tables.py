@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Column, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Column, Index, Text, UniqueConstraint, text
 from sqlmodel import Field, SQLModel
 
 from medic.statuses import IncidentStatus
@@ -179,6 +179,16 @@ class BreakerRecord(SQLModel, table=True):
     """The circuit breaker's history: a row per opening, closed by a named human."""
 
     __tablename__ = "breaker"
+    # At most one opening is current, whatever the number of replicas opening it at once.
+    __table_args__ = (
+        Index(
+            "uq_breaker_one_open",
+            text("(closed_at IS NULL)"),
+            unique=True,
+            sqlite_where=text("closed_at IS NULL"),
+            postgresql_where=text("closed_at IS NULL"),
+        ),
+    )
 
     id: int | None = Field(default=None, primary_key=True)
     opened_at: datetime = _time()
