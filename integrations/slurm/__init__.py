@@ -17,7 +17,9 @@ from integrations.slurm.errors import (
     SlurmUnreachableError,
     UnknownJobError,
     UnknownSlurmNodeError,
+    UnreadableSlurmDataError,
     UnsupportedSlurmActionError,
+    UnsupportedSlurmFormatError,
 )
 from integrations.slurm.provider import SlurmRebootProvider
 from integrations.slurm.scheduler import SlurmScheduler
@@ -36,5 +38,7 @@ __all__ = [
     "SlurmUnreachableError",
     "UnknownJobError",
     "UnknownSlurmNodeError",
+    "UnreadableSlurmDataError",
     "UnsupportedSlurmActionError",
+    "UnsupportedSlurmFormatError",
 ]

@@ -15,7 +15,7 @@ from integrations.slurm.errors import (
     SlurmUnreachableError,
     UnknownSlurmNodeError,
 )
-from integrations.slurm.records import SlurmJob, SlurmNode
+from integrations.slurm.records import SlurmJob, SlurmNode, generation, parse_jobs, parse_nodes
 
 DEFAULT_TIMEOUT_S = 30.0
 # What the Slurm tools print (lower-cased) when slurmctld does not answer: worth asking again.
@@ -76,20 +76,30 @@ class SlurmCli:
             raise failed(command, f"rc={done.returncode}: {said}", done.returncode)
         return done.stdout
 
-    def _json(self, *args: str) -> dict[str, Any]:
-        out = self.run(*args, "--json")
+    def _json(self, *command: str) -> dict[str, Any]:
+        out = self.run(*command)
         try:
             data = json.loads(out)
         except json.JSONDecodeError as error:
-            raise SlurmCommandError([*args, "--json"], f"output is not JSON: {out[:200]!r}") from error
+            raise SlurmCommandError(list(command), f"output is not JSON: {out[:200]!r}") from error
+        if not isinstance(data, dict):
+            raise SlurmCommandError(list(command), f"output is not a JSON object: {out[:200]!r}")
         if data.get("errors"):
             failed = SlurmUnreachableError if _unreachable(str(data["errors"])) else SlurmCommandError
-            raise failed([*args, "--json"], f"Slurm reported errors: {data['errors']}")
+            raise failed(list(command), f"Slurm reported errors: {data['errors']}")
         return data
 
     def nodes(self) -> list[SlurmNode]:
-        # sinfo --json ignores -n and every other filter (22.05): it is always the whole cluster.
-        return [SlurmNode.from_json(raw) for raw in self._json("sinfo")["nodes"]]
+        """Every node, read in the JSON generation the cluster's Slurm writes (records.py).
+
+        22.05's `sinfo --json` lists each node (it ignores -n and every other filter: always the whole
+        cluster). From 23.02 on `sinfo --json` lists sinfo's grouped rows instead (one row for several
+        nodes), so the nodes come from `scontrol --json show nodes`, one full record per node.
+        """
+        listing = self._json("sinfo", "--json")
+        if generation(listing, "sinfo --json") == 38:
+            return parse_nodes(listing)
+        return parse_nodes(self._json("scontrol", "--json", "show", "nodes"))
 
     def node(self, name: str) -> SlurmNode:
         for node in self.nodes():
@@ -99,7 +109,7 @@ class SlurmCli:
 
     def jobs(self) -> list[SlurmJob]:
         # Likewise squeue --json ignores -j/-w/-u: all jobs Slurm still remembers (MinJobAge).
-        return [SlurmJob.from_json(raw) for raw in self._json("squeue")["jobs"]]
+        return parse_jobs(self._json("squeue", "--json"))
 
     def scontrol(self, *args: str) -> str:
         return self.run("scontrol", *args)

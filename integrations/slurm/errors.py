@@ -89,3 +89,20 @@ class NotRequeueableError(SlurmError, PermanentError):
     def __init__(self, job_id: str, why: str) -> None:
         super().__init__(f"job {job_id} cannot be requeued: {why}")
         self.job_id = job_id
+
+
+class UnreadableSlurmDataError(SlurmError, PermanentError):
+    """Raised when Slurm's JSON (a node, a job, or the document around them) cannot be read with
+    certainty: an unknown field shape, state word or format generation. Fail closed: a node or job we
+    cannot read is never taken for idle, free or in service, so GPU Medic refuses to act on it."""
+
+    def __init__(self, subject: str, field: str, detail: str) -> None:
+        super().__init__(f"cannot read Slurm {subject}: {field} {detail}; GPU Medic does not act on it")
+        self.subject = subject
+        self.field = field
+        self.detail = detail
+
+
+class UnsupportedSlurmFormatError(UnreadableSlurmDataError):
+    """Raised when a document's metadata names a data_parser generation GPU Medic does not know (or names
+    none): its fields may mean something else, so none of it is read."""

@@ -1,13 +1,29 @@
-"""Slurm's node and job records as `sinfo --json` / `squeue --json` (OpenAPI v0.0.38, Slurm 22.05)
-report them, and how they map onto the protocol's NodeInfo and JobInfo.
+"""Slurm's node and job records as its client tools print them with `--json`, for every JSON generation
+from Slurm 22.05 on, and how they map onto the protocol's NodeInfo and JobInfo.
+
+Each document names its own generation in its `meta` block, and that alone picks how it is read:
+
+| Slurm | generation | where it says so | node `state` | job `job_state` | a job's nodes |
+| --- | --- | --- | --- | --- | --- |
+| 22.05 | v0.0.38 | `meta.plugin.type` "openapi/v0.0.38" | "idle" + `state_flags` | "RUNNING" | `job_resources.allocated_nodes[].nodename` |
+| 23.02 | v0.0.39 | `meta.plugins.data_parser` | ["IDLE", "DRAIN"] | "RUNNING" | `job_resources.allocated_nodes[].nodename` |
+| 23.11 | v0.0.40 | `meta.plugin.data_parser` | ["IDLE", "DRAIN"] | ["RUNNING"] | `job_resources.allocated_nodes[].nodename` |
+| 24.05 … 26.11 | v0.0.41 … v0.0.46 | `meta.plugin.data_parser` | ["IDLE", "DRAIN"] | ["RUNNING"] | `job_resources.nodes.allocation[].name` |
+
+Fail closed: a document of another (or no) generation, a node whose state, name or reason is not in the
+shape its generation has, a state word Slurm's own parsers never write, a running job whose nodes cannot be
+read: all raise UnreadableSlurmDataError naming the node or job and the field. Nothing unreadable is ever
+taken for idle, free or in service.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from integrations.slurm.errors import UnreadableSlurmDataError, UnsupportedSlurmFormatError
 from medic.protocols import JobInfo, JobState, NodeInfo, NodeState
 
 # Drains we make carry this prefix (see NodeInfo.drained_by_medic); anything else belongs to others.
@@ -17,6 +33,35 @@ MEDIC_PREFIX = "medic:"
 _GPU_GRES = re.compile(r"^gpu(?::[^:(]+)?:(\d+)")
 # "owner=alice" anywhere in a job comment, separated by spaces, commas or semicolons.
 _OWNER = re.compile(r"(?:^|[\s,;])owner=([^\s,;]+)")
+# "data_parser/v0.0.42", "openapi/v0.0.38", "v0.0.42"
+_GENERATION = re.compile(r"(?:^|/)v0\.0\.(\d+)$")
+
+# The generations this module reads (data_parser v0.0.N → N), and the Slurm release that writes each.
+GENERATIONS: dict[int, str] = {
+    38: "22.05",
+    39: "23.02",
+    40: "23.11",
+    41: "24.05",
+    42: "24.11",
+    43: "25.05",
+    44: "25.11",
+    45: "26.05",
+    46: "26.11",
+}
+# Used only when a document names no parser at all: the generation a Slurm release writes by default.
+_RELEASE_GENERATION = {(int(r[:2]), int(r[3:])): g for g, r in GENERATIONS.items()}
+
+# Every word Slurm's node-state parsers write (v0.0.38 lower-cases the base state, v0.0.39+ upper-case).
+_NODE_BASES = frozenset({"INVALID", "UNKNOWN", "DOWN", "IDLE", "ALLOCATED", "ERROR", "MIXED", "FUTURE"})
+_NODE_FLAGS = frozenset(
+    {
+        "EXTERNAL", "PERFCTRS", "RESERVED", "UNDRAIN", "CLOUD", "RESUME", "DRAIN", "COMPLETING",
+        "NOT_RESPONDING", "POWERED_DOWN", "FAIL", "POWERING_UP", "MAINTENANCE", "REBOOT_REQUESTED",
+        "REBOOT_CANCELED", "POWERING_DOWN", "DYNAMIC_FUTURE", "REBOOT_ISSUED", "PLANNED", "INVALID_REG",
+        "POWER_DOWN", "POWER_UP", "POWER_DRAIN", "POWER_DOWN_ASAP", "POWER_DOWN_FORCE", "DYNAMIC_NORM",
+        "BLOCKED",
+    }
+)  # fmt: skip
 
 # squeue reports a flag instead of the base state while one is set (COMPLETING, REQUEUED, ...).
 _JOB_STATES: dict[str, JobState] = {
@@ -39,10 +84,103 @@ _JOB_STATES: dict[str, JobState] = {
     "CANCELLED": JobState.CANCELLED,
     "REVOKED": JobState.CANCELLED,
 }
+_JOB_BASES = frozenset(
+    {
+        "PENDING", "RUNNING", "SUSPENDED", "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL",
+        "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY", "LAUNCH_FAILED",
+    }
+)  # fmt: skip
+# In a v0.0.40+ state list, the flag that names the job's state, first match wins: flags under which it
+# still holds its nodes come before those under which it waits in the queue (Slurm's job_state_string).
+_JOB_FLAG_ORDER = (
+    "COMPLETING", "STAGE_OUT", "CONFIGURING", "RESIZING", "SIGNALING", "STOPPED",
+    "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESV_DEL_HOLD", "SPECIAL_EXIT", "REVOKED",
+)  # fmt: skip
+# Flags that leave the base state in charge.
+_JOB_QUIET_FLAGS = frozenset({"UPDATE_DB", "RECONFIG_FAIL", "POWER_UP_NODE", "EXPEDITING"})
+_JOB_WORDS = _JOB_BASES | set(_JOB_FLAG_ORDER) | _JOB_QUIET_FLAGS
 
 
 def is_ours(reason: str | None) -> bool:
     return (reason or "").startswith(MEDIC_PREFIX)
+
+
+def generation(doc: Any, what: str = "document") -> int:
+    """The data_parser generation (38 for v0.0.38 …) a `--json` document says it was written in."""
+    meta = doc.get("meta") if isinstance(doc, dict) else None
+    if not isinstance(meta, dict):
+        raise UnsupportedSlurmFormatError(what, "meta", "is missing: no way to tell its format generation")
+    named = [
+        ("meta.plugin.data_parser", (meta.get("plugin") or {}).get("data_parser")),  # 23.11+
+        ("meta.plugins.data_parser", (meta.get("plugins") or {}).get("data_parser")),  # 23.02
+        ("meta.plugin.type", (meta.get("plugin") or {}).get("type")),  # 22.05: "openapi/v0.0.38"
+    ]
+    for field, value in named:
+        if isinstance(value, str) and value:
+            match = _GENERATION.search(value.split("+")[0])  # "data_parser/v0.0.42+complex"
+            if match and int(match.group(1)) in GENERATIONS:
+                return int(match.group(1))
+            if field != "meta.plugin.type" or match:
+                raise UnsupportedSlurmFormatError(
+                    what, field, f"is {value!r}, a generation GPU Medic cannot read ({_supported()})"
+                )
+    release = _release(meta)
+    if release in _RELEASE_GENERATION:
+        return _RELEASE_GENERATION[release]
+    raise UnsupportedSlurmFormatError(
+        what,
+        "meta",
+        f"names no data_parser and a Slurm release {release or 'not given'} GPU Medic cannot read ({_supported()})",
+    )
+
+
+def _supported() -> str:
+    return f"it reads v0.0.{min(GENERATIONS)} to v0.0.{max(GENERATIONS)}"
+
+
+def _release(meta: dict[str, Any]) -> tuple[int, int] | None:
+    slurm = meta.get("Slurm") or meta.get("slurm") or {}
+    version = slurm.get("version") if isinstance(slurm, dict) else None
+    try:
+        return (int(version["major"]), int(version["minor"]))  # ints until 23.02, strings after
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def _records(doc: dict[str, Any], key: str, what: str) -> list[dict[str, Any]]:
+    records = doc.get(key)
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise UnreadableSlurmDataError(what, key, f"is not a list of records (top-level keys: {sorted(doc)})")
+    return records
+
+
+def parse_nodes(doc: Any) -> list[SlurmNode]:
+    """The nodes of a `sinfo --json` (22.05) or `scontrol show nodes --json` (23.02+) document."""
+    gen = generation(doc, "node list")
+    return [SlurmNode.from_json(raw, gen) for raw in _records(doc, "nodes", "node list")]
+
+
+def parse_jobs(doc: Any) -> list[SlurmJob]:
+    """The jobs of a `squeue --json` document."""
+    gen = generation(doc, "job list")
+    return [SlurmJob.from_json(raw, gen) for raw in _records(doc, "jobs", "job list")]
+
+
+def _words(value: Any) -> list[str] | None:
+    if isinstance(value, str):
+        return [value.upper()]
+    if isinstance(value, list) and all(isinstance(w, str) for w in value):
+        return [w.upper() for w in value]
+    return None
+
+
+def _optional_string(raw: dict[str, Any], key: str, subject: str) -> str:
+    value = raw.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise UnreadableSlurmDataError(subject, key, f"is {value!r}, not a string")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +192,47 @@ class SlurmNode:
     gpus: int
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> SlurmNode:
+    def from_json(cls, raw: dict[str, Any], gen: int = 38) -> SlurmNode:
+        name = raw.get("name")
+        if not isinstance(name, str) or not name:
+            raise UnreadableSlurmDataError(
+                "node", "name", f"is {name!r} in a record with keys {sorted(raw)[:8]}"
+            )
+        subject = f"node {name}"
+        if "state" not in raw:
+            raise UnreadableSlurmDataError(subject, "state", "is missing")
+        if gen == 38:
+            # "idle" plus a separate flag list; a list here is a later generation's shape.
+            state, flags = raw["state"], raw.get("state_flags")  # a missing list could hide a DRAIN
+            words = _words(flags) if isinstance(state, str) and isinstance(flags, list) else None
+            if words is None:
+                raise UnreadableSlurmDataError(
+                    subject,
+                    "state",
+                    f"is {state!r} with state_flags {flags!r}, not v0.0.38's string and list",
+                )
+            words = [state.upper(), *words]
+        else:
+            state = raw["state"]
+            words = _words(state) if isinstance(state, list) else None
+            if words is None:
+                raise UnreadableSlurmDataError(
+                    subject, "state", f"is {state!r}, not the list of state words v0.0.{gen} writes"
+                )
+        unknown = [w for w in words if w not in _NODE_BASES | _NODE_FLAGS]
+        bases = [w for w in words if w in _NODE_BASES]
+        if unknown:
+            raise UnreadableSlurmDataError(
+                subject, "state", f"{words} has words Slurm does not define: {unknown}"
+            )
+        if len(bases) != 1:
+            raise UnreadableSlurmDataError(subject, "state", f"{words} has {len(bases)} base states, not one")
         return cls(
-            name=raw["name"],
-            base=str(raw.get("state", "unknown")).lower(),
-            flags=frozenset(str(f).upper() for f in raw.get("state_flags") or ()),
-            reason=raw.get("reason") or None,
-            gpus=gpu_count(raw.get("gres") or ""),
+            name=name,
+            base=bases[0].lower(),
+            flags=frozenset(w for w in words if w not in _NODE_BASES),
+            reason=_optional_string(raw, "reason", subject) or None,
+            gpus=gpu_count(_optional_string(raw, "gres", subject)),
         )
 
     @property
@@ -109,10 +281,33 @@ def gpu_count(gres: str) -> int:
     return total
 
 
+def expand_hostlist(expression: str) -> tuple[str, ...]:
+    """A Slurm hostlist expression as names: "gpu-node-[1-2,4],login1" → gpu-node-1, gpu-node-2, ..."""
+    names: list[str] = []
+    for part in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", expression):
+        names.extend(_expand_one(part.strip()))
+    return tuple(n for n in names if n)
+
+
+def _expand_one(part: str) -> Iterable[str]:
+    match = re.search(r"\[([^\]]*)\]", part)
+    if not match:
+        return [part]
+    head, tail = part[: match.start()], part[match.end() :]
+    out: list[str] = []
+    for item in match.group(1).split(","):
+        low, _, high = item.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise ValueError(f"not a hostlist range: {item!r} in {part!r}")
+        for number in range(int(low), int(high or low) + 1):
+            out.extend(_expand_one(f"{head}{number:0{len(low)}d}{tail}"))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class SlurmJob:
     id: str
-    state: str  # squeue's job_state, e.g. RUNNING, PENDING, COMPLETING
+    state: str  # squeue's job_state as one word, e.g. RUNNING, PENDING, COMPLETING
     user: str
     comment: str
     nodes: tuple[str, ...]  # the nodes it holds (or last held); empty while pending
@@ -120,16 +315,35 @@ class SlurmJob:
     excluded: str  # its ExcNodeList as a Slurm hostlist expression, "" for none
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> SlurmJob:
-        allocated = (raw.get("job_resources") or {}).get("allocated_nodes") or ()
+    def from_json(cls, raw: dict[str, Any], gen: int = 38) -> SlurmJob:
+        job_id = raw.get("job_id")
+        if isinstance(job_id, bool) or not isinstance(job_id, int | str) or str(job_id) == "":
+            raise UnreadableSlurmDataError(
+                "job", "job_id", f"is {job_id!r} in a record with keys {sorted(raw)[:8]}"
+            )
+        subject = f"job {job_id}"
+        state = _job_state(raw.get("job_state"), gen, subject)
+        nodes = _job_nodes(raw, gen, subject)
+        if not nodes and _JOB_STATES.get(state) is JobState.RUNNING:
+            raise UnreadableSlurmDataError(
+                subject,
+                "job_resources",
+                f"names no nodes although the job is {state}: its nodes would look free",
+            )
+        user = raw.get("user_name") or raw.get("user_id", "")
+        restarts = raw.get("restart_cnt") or 0
+        if isinstance(restarts, dict):  # {"set": true, "infinite": false, "number": 2}
+            restarts = restarts.get("number") or 0
+        if not isinstance(restarts, int):
+            raise UnreadableSlurmDataError(subject, "restart_cnt", f"is {restarts!r}, not a number")
         return cls(
-            id=str(raw["job_id"]),
-            state=str(raw.get("job_state", "")).upper(),
-            user=raw.get("user_name") or str(raw.get("user_id", "")),
-            comment=raw.get("comment") or "",
-            nodes=tuple(n["nodename"] for n in allocated),
-            restarts=int(raw.get("restart_cnt") or 0),
-            excluded=raw.get("excluded_nodes") or "",
+            id=str(job_id),
+            state=state,
+            user=str(user),
+            comment=_optional_string(raw, "comment", subject),
+            nodes=nodes,
+            restarts=restarts,
+            excluded=_optional_string(raw, "excluded_nodes", subject),
         )
 
     @property
@@ -148,3 +362,68 @@ class SlurmJob:
         return JobInfo(
             id=self.id, state=self.job_state, nodes=self.nodes, owner=self.owner, restarts=self.restarts
         )
+
+
+def _job_state(value: Any, gen: int, subject: str) -> str:
+    """One word for the job's state: a string up to v0.0.39, a base state plus flags after."""
+    if gen <= 39:
+        words = _words(value) if isinstance(value, str) else None
+        shape = "a string"
+    else:
+        words = _words(value) if isinstance(value, list) else None
+        shape = "a list of state words"
+    if not words:
+        raise UnreadableSlurmDataError(
+            subject, "job_state", f"is {value!r}, not {shape} as v0.0.{gen} writes"
+        )
+    unknown = [w for w in words if w not in _JOB_WORDS]
+    if unknown:
+        raise UnreadableSlurmDataError(
+            subject, "job_state", f"{words} has words Slurm does not define: {unknown}"
+        )
+    if gen <= 39:
+        return words[0]
+    for flag in _JOB_FLAG_ORDER:
+        if flag in words:
+            return flag
+    bases = [w for w in words if w in _JOB_BASES]
+    if len(bases) != 1:
+        raise UnreadableSlurmDataError(subject, "job_state", f"{words} has {len(bases)} base states, not one")
+    return bases[0]
+
+
+def _job_nodes(raw: dict[str, Any], gen: int, subject: str) -> tuple[str, ...]:
+    """The nodes the job holds: per-node records where Slurm gives them, else its node hostlist."""
+    resources = raw.get("job_resources")
+    if resources is None or resources == {}:
+        return ()  # pending: nothing allocated yet
+    if not isinstance(resources, dict):
+        raise UnreadableSlurmDataError(subject, "job_resources", f"is {resources!r}, not an object")
+    try:
+        if gen <= 40:
+            field = "job_resources.allocated_nodes[].nodename"
+            names = tuple(n["nodename"] for n in resources.get("allocated_nodes") or ())
+            listed = resources.get("nodes")
+        else:
+            field = "job_resources.nodes.allocation[].name"
+            nodes = resources["nodes"]
+            names = tuple(n["name"] for n in nodes.get("allocation") or ())
+            listed = nodes.get("list")
+        if not all(isinstance(n, str) and n for n in names):
+            raise TypeError(names)
+        if names:
+            return names
+        # 22.05-23.11 leave the per-node list empty when slurmctld sent no core layout: then the
+        # hostlist of job_resources, else the job's own `nodes`.
+        field = "job_resources node list"
+        if listed in (None, ""):
+            field, listed = "nodes", raw.get("nodes")
+        if listed in (None, ""):
+            return ()
+        if not isinstance(listed, str):
+            raise TypeError(listed)
+        return expand_hostlist(listed)
+    except (KeyError, TypeError, AttributeError, ValueError) as error:
+        raise UnreadableSlurmDataError(
+            subject, field, f"cannot be read from {str(resources)[:200]} ({type(error).__name__}: {error})"
+        ) from error
