@@ -2,8 +2,9 @@
 
 Every poll reads NVML (integrations/nvml.py) and the new kernel-log lines, compares them with
 what it saw before and emits a FaultEvent only for what changed: a new XID, uncorrected ECC
-errors rising, fewer GPUs than expected, a PCIe link below its capability, thermal throttling,
-NVLink links going down, NVML itself failing. A condition that persists is reported once.
+errors rising, a row remap pending or failed, fewer GPUs than expected, a PCIe link below its
+capability, thermal throttling, NVLink links going down or their error counters rising, an
+NVSwitch SXid, NVML itself failing. A condition that persists is reported once.
 NVML errors never stop it: it backs off and opens NVML again on a later poll.
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from integrations.kernel_log import KernelLog, KernelXid, parse_xid
+from integrations.kernel_log import KernelLog, KernelSxid, KernelXid, parse_sxid, parse_xid
 from integrations.nvml import (
     EccCounts,
     GpuSnapshot,
@@ -30,6 +31,7 @@ from integrations.nvml import (
 )
 from integrations.sinks import EventSink
 from medic.events import EventKind, FaultEvent
+from medic.facts import NVLINK_ERRORS_CHECK, SXID_CHECK
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,9 @@ DEFAULT_MAX_BACKOFF_S = 300.0
 # The driver reports one XID both in the kernel log and as an NVML event, not necessarily in the
 # same poll: the second sighting of (GPU, code) from the other source within this window is the same XID.
 XID_MATCH_WINDOW_S = 60.0
+# NVLink error counters creep up on healthy links too: report once they rose by this much
+# (summed over counters and links) since the last report. The policy decides what is too many.
+DEFAULT_NVLINK_ERROR_MIN_RISE = 10
 
 
 class GpuReader(Protocol):
@@ -56,6 +61,7 @@ class AgentOptions:
     interval_s: float = DEFAULT_INTERVAL_S
     expected_gpus: int | None = None  # None: as many as the first successful NVML read found
     max_backoff_s: float = DEFAULT_MAX_BACKOFF_S
+    nvlink_error_min_rise: int = DEFAULT_NVLINK_ERROR_MIN_RISE
 
 
 @dataclass(slots=True)
@@ -118,13 +124,14 @@ class Agent:
         self.pcie: dict[str, tuple[str, ...]] = {}
         self.nvlinks_seen_up: dict[str, set[int]] = {}
         self.nvlinks_down: dict[str, frozenset[int]] = {}
+        self.nvlink_errors: dict[str, dict[str, int]] = {}  # GPU -> counters at the last report
         self.sightings: deque[_Sighting] = deque()
 
     # -- one poll ---------------------------------------------------------------------------
 
     def poll(self) -> list[FaultEvent]:
         """Look once, emit what changed, and return it."""
-        kernel_xids = self._kernel_xids()
+        kernel_xids, kernel_sxids = self._kernel_lines()
         snapshot = self._read_nvml()
         events = self._nvml_failed(snapshot)
         nvml_xids: tuple[NvmlXid, ...] = ()
@@ -136,6 +143,7 @@ class Agent:
                 if not gpu.lost:
                     events += self._gpu_changes(gpu)
         events += self._xid_events(kernel_xids, nvml_xids)
+        events += self._sxid_events(kernel_sxids)
         self.sink.emit(events)
         return events
 
@@ -214,6 +222,7 @@ class Agent:
                 self._thermal(key, gpu),
                 self._pcie(key, gpu),
                 self._nvlink(key, gpu),
+                self._nvlink_error_counters(key, gpu),
             )
             if event is not None
         ]
@@ -232,7 +241,8 @@ class Agent:
         (dbe_was, sbe_was), (dbe_now, sbe_now) = ecc.totals(counter), gpu.ecc.totals(counter)
         dbe, sbe = _rise(dbe_was, dbe_now), _rise(sbe_was, sbe_now)
         remap_failed = gpu.row_remap is not None and gpu.row_remap.failure and not (remap and remap.failure)
-        if not (dbe or remap_failed):
+        remap_pending = gpu.row_remap is not None and gpu.row_remap.pending and not (remap and remap.pending)
+        if not (dbe or remap_failed or remap_pending):
             return None
         attributes: dict[str, Any] = {
             "dbe": dbe or 0,
@@ -314,12 +324,70 @@ class Agent:
             uuid=gpu.uuid,
         )
 
-    # -- XIDs -------------------------------------------------------------------------------
+    def _nvlink_error_counters(self, key: str, gpu: GpuSnapshot) -> FaultEvent | None:
+        """NVLink error counters that rose by `nvlink_error_min_rise` or more since the last report
+        (the first read is the baseline; a counter that went down, a reset, starts over)."""
+        now = gpu.nvlink_errors
+        if not now:
+            return None
+        before = self.nvlink_errors.get(key)
+        if before is None or any(now.get(name, 0) < value for name, value in before.items()):
+            self.nvlink_errors[key] = dict(now)
+            return None
+        rises = {name: value - before.get(name, value) for name, value in now.items()}
+        rises = {name: rise for name, rise in rises.items() if rise > 0}
+        total = sum(rises.values())
+        if total < max(1, self.options.nvlink_error_min_rise):
+            return None
+        self.nvlink_errors[key] = dict(now)
+        return self._event(
+            EventKind.HEALTH_CHECK,
+            gpu=gpu.index,
+            check=NVLINK_ERRORS_CHECK,
+            message=f"NVLink error counters rose by {total} ("
+            + ", ".join(f"{name} +{rise}" for name, rise in rises.items())
+            + ")",
+            nvlink_errors=total,
+            uuid=gpu.uuid,
+            **rises,
+        )
 
-    def _kernel_xids(self) -> list[KernelXid]:
+    # -- XIDs and SXids ---------------------------------------------------------------------
+
+    def _kernel_lines(self) -> tuple[list[KernelXid], list[KernelSxid]]:
         if self.kernel_log is None:
-            return []
-        return [xid for line in self.kernel_log.new_lines() if (xid := parse_xid(line))]
+            return [], []
+        xids, sxids = [], []
+        for line in self.kernel_log.new_lines():
+            if xid := parse_xid(line):
+                xids.append(xid)
+            elif sxid := parse_sxid(line):
+                sxids.append(sxid)
+        return xids, sxids
+
+    def _sxid_events(self, sxids: list[KernelSxid]) -> list[FaultEvent]:
+        """One event per NVSwitch and SXid code per poll (a storm is one event with a count).
+        An SXid is about a switch, not a GPU: a health_check event with `check: nvswitch_sxid`."""
+        groups: dict[tuple[str, int], list[KernelSxid]] = {}
+        for sxid in sxids:
+            groups.setdefault((sxid.nvswitch, sxid.code), []).append(sxid)
+        events = []
+        for seen in groups.values():
+            first = seen[0]
+            events.append(
+                self._event(
+                    EventKind.HEALTH_CHECK,
+                    check=SXID_CHECK,
+                    message=f"{first.nvswitch}: SXid {first.code}, {first.message}".rstrip(", "),
+                    sxid=first.code,
+                    fatal=any(s.fatal for s in seen) if any(s.fatal is not None for s in seen) else None,
+                    nvswitch=first.nvswitch,
+                    pci_bus_id=first.pci_bus_id,
+                    link=first.link,
+                    count=len(seen) if len(seen) > 1 else None,
+                )
+            )
+        return events
 
     def _xid_events(self, kernel: list[KernelXid], nvml: tuple[NvmlXid, ...]) -> list[FaultEvent]:
         now = self.clock()
@@ -352,7 +420,13 @@ class Agent:
     def _xid_event(self, xid: _XidGroup) -> FaultEvent:
         attributes: dict[str, Any] = {"code": xid.code, "via": xid.via, "pci_bus_id": xid.pci}
         if xid.line is not None:
-            attributes |= {"message": xid.line.message, "pid": xid.line.pid, "process": xid.line.process}
+            attributes |= {
+                "message": xid.line.message,
+                "pid": xid.line.pid,
+                "process": xid.line.process,
+                "gpu_instance": xid.line.gpu_instance,
+                "compute_instance": xid.line.compute_instance,
+            }
         if xid.count > 1:
             attributes["count"] = xid.count
         return self._event(EventKind.XID, gpu=xid.gpu, **attributes)

@@ -1,4 +1,4 @@
-"""New kernel-log lines since the last look, and the NVIDIA driver's XID reports among them.
+"""New kernel-log lines since the last look, and the NVIDIA drivers' XID and NVSwitch SXid reports.
 
 Reads /dev/kmsg (one record per read, non-blocking) or a plain file that something appends to
 (a syslog file, `dmesg -w` redirected, a test's file). Lines from before the agent started are
@@ -19,13 +19,26 @@ log = logging.getLogger(__name__)
 
 # `NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.`
 # Older drivers write no `PCI:` and no pid/name; dmesg and /dev/kmsg put a prefix before `NVRM`.
+# On a MIG GPU the driver attributes the XID to a GPU instance, and maybe a compute instance
+# (open-gpu-kernel-modules, kernel_rc.c: "PCI:%04x:%02x:%02x GPU-I:%02u GPU-CI:%02u"):
+# `NVRM: Xid (PCI:0000:01:00 GPU-I:05): 94, pid=..., name=..., Contained: ...`
 XID_LINE = re.compile(
-    r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2})(?:\.[0-7])?\):\s*"
+    r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2})(?:\.[0-7])?"
+    r"(?:\s+GPU-I:(?P<gi>\d+))?(?:\s+GPU-CI:(?P<ci>\d+))?\):\s*"
     r"(?P<code>\d+),\s*"
     r"(?:pid=(?P<pid>'[^']*'|[^,\s]*),\s*)?"
     r"(?:name=(?P<name>[^,]*),\s*)?"
     r"(?P<message>.*?)\s*$"
 )
+# NVSwitch errors ("switch XIDs"), from the nvswitch driver (NVSWITCH_PRINT_SXID):
+# `nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error (First)`
+SXID_LINE = re.compile(
+    r"nvidia-(?P<device>nvswitch\d+): SXid \((?:PCI:)?"
+    r"(?P<pci>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2})(?:\.[0-7])?\):\s*"
+    r"(?P<code>\d+)(?:,\s*(?P<message>.*?))?\s*$"
+)
+_SXID_SEVERITY = re.compile(r"^(?P<severity>Non-fatal|Fatal)\b", re.IGNORECASE)
+_SXID_LINK = re.compile(r"\bLink\s+(?P<link>\d+)\b")
 MAX_RECORD = 8192  # /dev/kmsg hands out at most this much per record
 MAX_BYTES_PER_READ = 4 << 20  # a flood is read over several polls, never all at once
 
@@ -37,6 +50,42 @@ class KernelXid:
     message: str
     pid: int | None = None
     process: str | None = None
+    gpu_instance: int | None = None  # MIG: the GPU instance the driver attributes the XID to
+    compute_instance: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSxid:
+    """An NVSwitch error: reported about a switch, not a GPU."""
+
+    nvswitch: str  # nvswitch0
+    pci_bus_id: str  # the switch's, normalized: 0000:05:00
+    code: int
+    message: str
+    fatal: bool | None = None  # None: the line says neither Fatal nor Non-fatal
+    link: int | None = None
+
+
+def _bus_id(address: str) -> str:
+    domain, bus, device = address.lower().split(":")
+    return f"{int(domain, 16):04x}:{bus}:{device}"
+
+
+def parse_sxid(line: str) -> KernelSxid | None:
+    match = SXID_LINE.search(line)
+    if match is None:
+        return None
+    message = match["message"] or ""
+    severity = _SXID_SEVERITY.match(message)
+    link = _SXID_LINK.search(message)
+    return KernelSxid(
+        nvswitch=match["device"],
+        pci_bus_id=_bus_id(match["pci"]),
+        code=int(match["code"]),
+        message=message,
+        fatal=None if severity is None else severity["severity"].lower() == "fatal",
+        link=int(link["link"]) if link else None,
+    )
 
 
 def parse_xid(line: str) -> KernelXid | None:
@@ -45,13 +94,14 @@ def parse_xid(line: str) -> KernelXid | None:
         return None
     pid = (match["pid"] or "").strip("'")
     process = (match["name"] or "").strip()
-    domain, bus, device = match["pci"].lower().split(":")
     return KernelXid(
-        pci_bus_id=f"{int(domain, 16):04x}:{bus}:{device}",
+        pci_bus_id=_bus_id(match["pci"]),
         code=int(match["code"]),
         message=match["message"],
         pid=int(pid) if pid.isdigit() else None,
         process=process if process and process != "<unknown>" else None,
+        gpu_instance=int(match["gi"]) if match["gi"] else None,
+        compute_instance=int(match["ci"]) if match["ci"] else None,
     )
 
 

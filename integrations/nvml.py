@@ -54,6 +54,14 @@ NODE_FAILURES = (
 # NVLink state is asked per link up to NVML's limit; past a board's last link NVML answers
 # InvalidArgument, and a board without NVLink answers NotSupported.
 NVLINK_PROBE_ERRORS = (*UNANSWERED, pynvml.NVMLError_InvalidArgument)
+# NVLink error counters, per link, summed over the GPU's links (nvmlDeviceGetNvLinkErrorCounter).
+NVLINK_ERROR_COUNTERS: dict[int, str] = {
+    pynvml.NVML_NVLINK_ERROR_DL_REPLAY: "replay",
+    pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: "recovery",
+    pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: "crc_flit",
+    pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: "crc_data",
+    pynvml.NVML_NVLINK_ERROR_DL_ECC_DATA: "ecc_data",
+}
 EVENT_WAIT_MS = 1
 MAX_EVENTS_PER_READ = 256  # an XID storm is drained over several reads, never in one endless loop
 
@@ -142,6 +150,9 @@ class GpuSnapshot:
     power_w: float | None = None
     pcie: PcieLink = field(default_factory=PcieLink)
     nvlinks: dict[int, bool] | None = None  # link -> up; links NVML could not answer are absent
+    # NVLink error counters (replay, recovery, crc_flit, crc_data, ecc_data), summed over the
+    # links that answered; a counter no link answered is absent. None: no NVLink or no answer.
+    nvlink_errors: dict[str, int] | None = None
     errors: tuple[str, ...] = ()  # calls that failed for another reason: "temperature: Unknown Error"
 
     @property
@@ -255,6 +266,27 @@ def _ecc(reader: _Reader) -> EccCounts:
     )
 
 
+def _nvlink_errors(reader: _Reader, links: tuple[int, ...]) -> dict[str, int] | None:
+    """Each error counter summed over `links`. A counter a link cannot answer (an older GPU has
+    no ECC counter, say) is left out for that link; one no link answers is absent."""
+    totals: dict[str, int] = {}
+    for link in links:
+        for counter, name in NVLINK_ERROR_COUNTERS.items():
+            try:
+                value = pynvml.nvmlDeviceGetNvLinkErrorCounter(reader.handle, link, counter)
+            except NVLINK_PROBE_ERRORS:
+                continue
+            except pynvml.NVMLError_GpuIsLost:
+                raise _GpuLost from None
+            except NODE_FAILURES:
+                raise
+            except pynvml.NVMLError as error:
+                reader.errors.append(f"nvlink {link} {name} errors: {error}")
+                continue
+            totals[name] = totals.get(name, 0) + int(value)
+    return totals or None
+
+
 class NvmlSession:
     """NVML initialised once for many reads; `read()` never raises for NVML's sake.
 
@@ -363,6 +395,7 @@ class NvmlSession:
                 reader.get("pcie max width", pynvml.nvmlDeviceGetMaxPcieLinkWidth),
             )
             facts["nvlinks"] = self._nvlink_states(index, reader)
+            facts["nvlink_errors"] = _nvlink_errors(reader, tuple(facts["nvlinks"] or ()))
         except _GpuLost:
             # What was read before the loss still identifies the GPU.
             keep = {k: facts[k] for k in ("uuid", "pci_bus_id", "name") if k in facts}

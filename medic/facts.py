@@ -10,13 +10,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from medic import dcgm_errors
+from medic import dcgm_errors, xid
 from medic.context import EMPTY, Context
 from medic.dcgm_errors import Severity
 from medic.events import EventKind, FaultEvent
 from medic.incidents import Incident
 
 HISTORY_WINDOW = timedelta(days=7)
+# health_check `check` names the agent gives NVSwitch SXids and NVLink error counters (docs/xid.md).
+SXID_CHECK = "nvswitch_sxid"
+NVLINK_ERRORS_CHECK = "nvlink_errors"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,13 @@ class Facts:
     dcgm_categories: frozenset[str]
     now: datetime
     context: Context
+    # NVIDIA's catalog bucket of each XID code (medic/xid.py), and what XID 154 asked for.
+    xid_resolutions: frozenset[str] = frozenset()
+    recovery_actions: frozenset[str] = frozenset()
+    row_remap: frozenset[str] = frozenset()  # "pending" and/or "failure", as NVML reported them
+    nvlink_errors: int = 0  # NVLink error counter rises the incident's events reported
+    sxids: frozenset[int] = frozenset()  # NVSwitch SXid codes
+    sxid_severities: frozenset[str] = frozenset()  # "fatal" and/or "non_fatal"
 
     @property
     def latest_diagnostic(self) -> DiagnosticFact | None:
@@ -90,11 +100,30 @@ def facts_of(
     dbe = sbe = stragglers = 0
     straggler_max = 0.0
     diagnostics: list[DiagnosticFact] = []
+    recovery: set[str] = set()
+    row_remap: set[str] = set()
+    nvlink_errors = 0
+    sxids: set[int] = set()
+    sxid_severities: set[str] = set()
     for event in incident.events:
         attrs = event.attributes
+        if attrs.get("row_remap_pending") is True:
+            row_remap.add("pending")
+        if attrs.get("row_remap_failure") is True:
+            row_remap.add("failure")
         match event.kind:
             case EventKind.XID:
                 xids.add(int(attrs["code"]))
+                if int(attrs["code"]) == xid.RECOVERY_ACTION_CODE:
+                    recovery.add(_recovery_action(attrs))
+            case EventKind.HEALTH_CHECK if attrs.get("check") == SXID_CHECK and isinstance(
+                attrs.get("sxid"), int
+            ):
+                sxids.add(attrs["sxid"])
+                sxid_severities.add("fatal" if attrs.get("fatal") is True else "non_fatal")
+            case EventKind.HEALTH_CHECK if attrs.get("check") == NVLINK_ERRORS_CHECK:
+                rise = attrs.get("nvlink_errors")
+                nvlink_errors += rise if isinstance(rise, int) and rise > 0 else 0
             case EventKind.DCGM_HEALTH:
                 names, severities, categories = _dcgm_names([attrs["error_id"]])
                 dcgm_names.update(names)
@@ -135,4 +164,19 @@ def facts_of(
         dcgm_categories=frozenset(dcgm_categories),
         now=now,
         context=context,
+        xid_resolutions=frozenset(xid.resolution(code).value for code in xids),
+        recovery_actions=frozenset(recovery),
+        row_remap=frozenset(row_remap),
+        nvlink_errors=nvlink_errors,
+        sxids=frozenset(sxids),
+        sxid_severities=frozenset(sxid_severities),
     )
+
+
+def _recovery_action(attrs: dict[str, object]) -> str:
+    """XID 154's action: an explicit `recovery_action` attribute, else the one its message states."""
+    given = attrs.get("recovery_action")
+    if isinstance(given, str) and given in {a.value for a in xid.RecoveryAction}:
+        return given
+    message = attrs.get("message")
+    return xid.recovery_action(message if isinstance(message, str) else None).value

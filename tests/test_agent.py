@@ -175,6 +175,67 @@ def test_a_row_remap_failure_is_an_ecc_event(rig: Rig) -> None:
     assert rig.poll() == []
 
 
+def test_a_pending_row_remap_is_an_ecc_event_once(rig: Rig) -> None:
+    rig.poll()
+    event = one(rig.poll(node(gpu(3, row_remap=RowRemap(1, 0, True, False)))))
+    assert (event.kind, event.gpu, event.attributes["dbe"]) == (EventKind.ECC, 3, 0)
+    assert (event.attributes["row_remap_pending"], event.attributes["row_remap_failure"]) == (True, False)
+    assert rig.poll() == []  # still pending: not news
+    assert rig.poll(node()) == []  # a reset activated it
+    assert one(rig.poll(node(gpu(3, row_remap=RowRemap(2, 0, True, False))))).kind is EventKind.ECC
+
+
+def test_nvlink_error_counters_are_reported_once_they_rise_enough(rig: Rig) -> None:
+    rig.poll(node(gpu(1, nvlink_errors={"replay": 100, "crc_flit": 5, "recovery": 0})))  # the baseline
+    assert rig.poll(node(gpu(1, nvlink_errors={"replay": 104, "crc_flit": 7, "recovery": 0}))) == []  # +6
+    event = one(rig.poll(node(gpu(1, nvlink_errors={"replay": 130, "crc_flit": 9, "recovery": 1}))))
+    assert (event.kind, event.gpu, event.attributes["check"]) == (EventKind.HEALTH_CHECK, 1, "nvlink_errors")
+    assert (event.attributes["nvlink_errors"], event.attributes["replay"], event.attributes["crc_flit"]) == (
+        35,
+        30,
+        4,
+    )
+    assert event.attributes["recovery"] == 1
+    assert rig.poll() == []  # counters cleared (a reset): a new baseline, not a fault
+    assert rig.poll(node(gpu(1, nvlink_errors={"replay": 3}))) == []
+
+
+def test_kernel_log_sxids_become_health_checks(rig: Rig) -> None:
+    rig.poll()
+    events = rig.poll(
+        None,
+        *["nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error"]
+        * 3,
+        "nvidia-nvswitch3: SXid (PCI:0000:c1:00.0): 24007, Fatal, Link 30 sourcetrack timeout error",
+    )
+    assert [
+        (e.kind, e.gpu, e.attributes["check"], e.attributes["sxid"], e.attributes["fatal"]) for e in events
+    ] == [
+        (EventKind.HEALTH_CHECK, None, "nvswitch_sxid", 12028, False),
+        (EventKind.HEALTH_CHECK, None, "nvswitch_sxid", 24007, True),
+    ]
+    assert events[0].attributes["count"] == 3
+    assert (
+        events[1].attributes["nvswitch"],
+        events[1].attributes["pci_bus_id"],
+        events[1].attributes["link"],
+    ) == (
+        "nvswitch3",
+        "0000:c1:00",
+        30,
+    )
+
+
+def test_a_mig_xid_keeps_its_gpu_instance(rig: Rig) -> None:
+    rig.poll()
+    line = (
+        f"NVRM: Xid (PCI:{pci_bus_id(2)} GPU-I:05 GPU-CI:01): 94, pid=7, name=python3, Contained: SM (0x1)."
+    )
+    event = one(rig.poll(None, line))
+    assert (event.gpu, event.attributes["code"]) == (2, 94)
+    assert (event.attributes["gpu_instance"], event.attributes["compute_instance"]) == (5, 1)
+
+
 def test_thermal_throttling_is_reported_when_it_starts(rig: Rig) -> None:
     rig.poll(node(gpu(1, clock_reasons=("sw_power_cap",))))  # power capping is not thermal
     assert rig.sink.events == []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.kernel_log import KernelLog, KernelXid, parse_xid
+from integrations.kernel_log import KernelLog, KernelSxid, KernelXid, parse_sxid, parse_xid
 
 
 @pytest.mark.parametrize(
@@ -25,12 +25,62 @@ from integrations.kernel_log import KernelLog, KernelXid, parse_xid
             "NVRM: Xid (0000:18:00): 48, An uncorrectable double bit error (DBE) has been detected.",
             KernelXid("0000:18:00", 48, "An uncorrectable double bit error (DBE) has been detected."),
         ),
+        (  # MIG: the driver attributes the XID to a GPU instance (kernel_rc.c)
+            "NVRM: Xid (PCI:0000:01:00 GPU-I:05): 94, pid=2211, name=python3, Contained: SM (0x1). RST: No, D-RST: No",
+            KernelXid("0000:01:00", 94, "Contained: SM (0x1). RST: No, D-RST: No", 2211, "python3", 5),
+        ),
+        (  # ... and to a compute instance too
+            "NVRM: Xid (PCI:0000:01:00 GPU-I:03 GPU-CI:01): 13, pid=2212, name=python3, Graphics SM Warp Exception",
+            KernelXid("0000:01:00", 13, "Graphics SM Warp Exception", 2212, "python3", 3, 1),
+        ),
+        (  # XID 154 names the recovery action in its message
+            "NVRM: Xid (PCI:0008:01:00): 154, GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)",
+            KernelXid(
+                "0008:01:00", 154, "GPU recovery action changed from 0x0 (None) to 0x1 (GPU Reset Required)"
+            ),
+        ),
+        (
+            "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error",
+            None,
+        ),
         ("NVRM: GPU at PCI:0000:3b:00: GPU-5ba7e1c0", None),
         ("NVRM: Xid (PCI:0000:3b:00): seventy-nine", None),
     ],
 )
 def test_parse_xid(line: str, xid: KernelXid | None) -> None:
     assert parse_xid(line) == xid
+
+
+@pytest.mark.parametrize(
+    ("line", "sxid"),
+    [
+        (  # the nvswitch driver's NVSWITCH_PRINT_SXID: "nvidia-%s: SXid (PCI:...): %05d, ..."
+            "[ 9100.000] nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Non-fatal, Link 32 egress non-posted PRIV error (First)",
+            KernelSxid(
+                "nvswitch0",
+                "0000:05:00",
+                12028,
+                "Non-fatal, Link 32 egress non-posted PRIV error (First)",
+                False,
+                32,
+            ),
+        ),
+        (
+            "4,99,123,-;nvidia-nvswitch3: SXid (PCI:0000:C1:00.0): 24007, Fatal, Link 30 sourcetrack timeout error",
+            KernelSxid(
+                "nvswitch3", "0000:c1:00", 24007, "Fatal, Link 30 sourcetrack timeout error", True, 30
+            ),
+        ),
+        (  # severity and link are optional
+            "nvidia-nvswitch1: SXid (PCI:0000:06:00.0): 01001",
+            KernelSxid("nvswitch1", "0000:06:00", 1001, ""),
+        ),
+        ("nvidia-nvswitch3: SXid (PCI:0000:c1:00.0): garbled, Fatal", None),
+        ("NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.", None),
+    ],
+)
+def test_parse_sxid(line: str, sxid: KernelSxid | None) -> None:
+    assert parse_sxid(line) == sxid
 
 
 def append(path: Path, data: bytes) -> None:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pynvml
 import pytest
 from nvml_support import (
     DRIVER_NOT_LOADED,
@@ -21,6 +22,7 @@ from nvml_support import (
     shim_env,
 )
 
+from integrations import nvml
 from integrations.nvml import PcieLink, decode_clock_reasons, normalize_pci_bus_id
 
 # Each element of STATES is written as the shim's state before one read of one NvmlSession.
@@ -246,3 +248,39 @@ def test_pci_bus_ids_from_nvml_and_the_kernel_log_agree(bus_id: str, normalized:
 )
 def test_pcie_link_problems(link: PcieLink, idle: bool, problems: tuple[str, ...]) -> None:
     assert link.problems(idle) == problems
+
+
+def test_nvlink_error_counters_are_summed_over_links(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = {  # (link, counter) -> value; link 1 has no ECC counter, link 2 fails once
+        (0, pynvml.NVML_NVLINK_ERROR_DL_REPLAY): 3,
+        (0, pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT): 1,
+        (0, pynvml.NVML_NVLINK_ERROR_DL_ECC_DATA): 2,
+        (1, pynvml.NVML_NVLINK_ERROR_DL_REPLAY): 4,
+    }
+
+    def counter(handle: object, link: int, which: int) -> int:
+        if link == 2 and which == pynvml.NVML_NVLINK_ERROR_DL_RECOVERY:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+        if (link, which) not in counts and which == pynvml.NVML_NVLINK_ERROR_DL_ECC_DATA:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return counts.get((link, which), 0)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetNvLinkErrorCounter", counter)
+    reader = nvml._Reader(object())
+    assert nvml._nvlink_errors(reader, (0, 1, 2)) == {
+        "replay": 7,
+        "recovery": 0,
+        "crc_flit": 1,
+        "crc_data": 0,
+        "ecc_data": 2,
+    }
+    assert reader.errors == ["nvlink 2 recovery errors: Unknown Error"]
+    assert nvml._nvlink_errors(nvml._Reader(object()), ()) is None
+
+
+def test_nvlink_error_counters_on_a_gpu_without_nvlink(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unsupported(handle: object, link: int, which: int) -> int:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetNvLinkErrorCounter", unsupported)
+    assert nvml._nvlink_errors(nvml._Reader(object()), (0, 1)) is None

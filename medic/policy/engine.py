@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
+from medic import xid as xid_catalog
 from medic.events import EventKind, FaultEvent
 from medic.facts import Facts
 from medic.policy.model import (
@@ -47,6 +48,37 @@ def _not_kinds(when: When, f: Facts) -> str | None:
 def _xid(when: When, f: Facts) -> str | None:
     hit = sorted(f.xid_codes.intersection(when.xid or ()))
     return f"XID {', '.join(map(str, hit))}" if hit else None
+
+
+def _xid_resolution(when: When, f: Facts) -> str | None:
+    wanted = set(when.xid_resolution or ())
+    hit = sorted(c for c in f.xid_codes if xid_catalog.resolution(c) in wanted)
+    if not hit:
+        return None
+    return ", ".join(f"XID {c} (catalog {xid_catalog.resolution(c).value})" for c in hit)
+
+
+def _xid_recovery_action(when: When, f: Facts) -> str | None:
+    hit = sorted(f.recovery_actions.intersection(when.xid_recovery_action or ()))
+    return f"XID 154 recovery action {', '.join(hit)}" if hit else None
+
+
+def _row_remap(when: When, f: Facts) -> str | None:
+    hit = sorted(f.row_remap.intersection(when.row_remap or ()))
+    return f"row remap {', '.join(hit)}" if hit else None
+
+
+def _nvlink_errors(when: When, f: Facts) -> str | None:
+    if f.nvlink_errors >= (when.nvlink_errors_at_least or 0) and f.nvlink_errors > 0:
+        return f"{f.nvlink_errors} NVLink errors"
+    return None
+
+
+def _sxid(when: When, f: Facts) -> str | None:
+    hit = sorted(f.sxid_severities.intersection(when.sxid or ()))
+    if not hit:
+        return None
+    return f"NVSwitch SXid {', '.join(map(str, sorted(f.sxids)))} ({', '.join(hit)})"
 
 
 def _dcgm_errors(when: When, f: Facts) -> str | None:
@@ -229,6 +261,11 @@ def _switch(when: When, f: Facts) -> str | None:
 CHECKS: tuple[tuple[str, Check], ...] = (
     ("kinds", _kinds),
     ("xid", _xid),
+    ("xid_resolution", _xid_resolution),
+    ("xid_recovery_action", _xid_recovery_action),
+    ("sxid", _sxid),
+    ("row_remap", _row_remap),
+    ("nvlink_errors_at_least", _nvlink_errors),
     ("dcgm_errors", _dcgm_errors),
     ("dcgm_severity", _dcgm_severity),
     ("dcgm_category", _dcgm_category),
@@ -253,6 +290,10 @@ _TESTS: dict[str, Test] = {
     "kinds": lambda w, f: not f.kinds.isdisjoint(w.kinds or ()),
     "not_kinds": lambda w, f: f.kinds.isdisjoint(w.not_kinds or ()),
     "xid": lambda w, f: not f.xid_codes.isdisjoint(w.xid or ()),
+    "xid_resolution": lambda w, f: not f.xid_resolutions.isdisjoint(w.xid_resolution or ()),
+    "xid_recovery_action": lambda w, f: not f.recovery_actions.isdisjoint(w.xid_recovery_action or ()),
+    "sxid": lambda w, f: not f.sxid_severities.isdisjoint(w.sxid or ()),
+    "row_remap": lambda w, f: not f.row_remap.isdisjoint(w.row_remap or ()),
     "dcgm_errors": lambda w, f: not f.dcgm_errors.isdisjoint(w.dcgm_errors or ()),
     "dcgm_severity": lambda w, f: not f.dcgm_severities.isdisjoint(w.dcgm_severity or ()),
     "dcgm_category": lambda w, f: not f.dcgm_categories.isdisjoint(w.dcgm_category or ()),
@@ -273,6 +314,10 @@ def _test_of(name: str, check: Check) -> Test:
 # requirements the incident cannot meet is skipped without evaluating anything.
 _NEEDS: dict[str, frozenset[EventKind]] = {
     "xid": frozenset({EventKind.XID}),
+    "xid_resolution": frozenset({EventKind.XID}),
+    "xid_recovery_action": frozenset({EventKind.XID}),
+    "sxid": frozenset({EventKind.HEALTH_CHECK}),
+    "nvlink_errors_at_least": frozenset({EventKind.HEALTH_CHECK}),
     "dcgm_errors": frozenset({EventKind.DCGM_HEALTH}),
     "dcgm_severity": frozenset({EventKind.DCGM_HEALTH}),
     "dcgm_category": frozenset({EventKind.DCGM_HEALTH}),

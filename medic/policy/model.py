@@ -25,6 +25,7 @@ from medic.dcgm_errors import Severity
 from medic.errors import PermanentError
 from medic.events import EventKind
 from medic.incidents import StormRule, Storms
+from medic.xid import RecoveryAction, Resolution
 
 
 class Action(StrEnum):
@@ -161,6 +162,24 @@ class When(_Strict):
     kinds: list[EventKind] | None = Field(None, description="Any event of one of these kinds.")
     not_kinds: list[EventKind] | None = Field(None, description="No event of any of these kinds.")
     xid: list[int] | None = Field(None, description="Any XID event with one of these codes.")
+    xid_resolution: list[Resolution] | None = Field(
+        None,
+        description="Any XID event whose code's resolution bucket in NVIDIA's XID catalog "
+        "(medic/data/xid_catalog.csv, docs/xid.md) is one of these.",
+    )
+    xid_recovery_action: list[RecoveryAction] | None = Field(
+        None, description="Any XID 154 whose message states one of these GPU recovery actions."
+    )
+    row_remap: list[Literal["pending", "failure"]] | None = Field(
+        None, description="An event reports a row remap of one of these states (NVML)."
+    )
+    nvlink_errors_at_least: PositiveInt | None = Field(
+        None,
+        description="The NVLink error counter rises the incident's events report add up to at least this.",
+    )
+    sxid: list[Literal["fatal", "non_fatal"]] | None = Field(
+        None, description="An NVSwitch SXid of one of these severities (health_check `nvswitch_sxid`)."
+    )
     dcgm_errors: list[str] | None = Field(None, description="Any dcgm_health event with these DCGM_FR_* ids.")
     dcgm_severity: list[Severity] | None = Field(
         None, description="Any dcgm_health event whose DCGM severity is one of these."
