@@ -137,6 +137,8 @@ def facts_of(
                 straggler_max = max(straggler_max, float(attrs["step_time_ratio"]))
             case EventKind.DIAGNOSTIC:
                 names, severities, _ = _dcgm_names(attrs.get("error_ids", []))
+                if attrs.get("worst_severity") in Severity.__members__.values():
+                    severities.append(Severity(attrs["worst_severity"]))  # stated for ids newer than ours
                 diagnostics.append(
                     DiagnosticFact(int(attrs["level"]), attrs["result"], names, dcgm_errors.worst(severities))
                 )

@@ -89,6 +89,9 @@ class DiagnosticResult:
     detail: str = ""
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    # DCGM's severity of the worst failing error (DCGM_FR_* severities). For an id newer than our
+    # table, the severity the output itself stated, so the policy sees more than UNKNOWN.
+    worst_severity: str | None = None
 
 
 @runtime_checkable

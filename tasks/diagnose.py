@@ -44,7 +44,12 @@ def diagnose(incident_id: str, node: str, level: int) -> DiagnosticOutcome:
                     source="medic",
                     kind="diagnostic",
                     node=node,
-                    attributes={"level": level, "result": result.result, "error_ids": list(result.error_ids)},
+                    attributes={
+                        "level": level,
+                        "result": result.result,
+                        "error_ids": list(result.error_ids),
+                        **({"worst_severity": result.worst_severity} if result.worst_severity else {}),
+                    },
                 ),
                 incident_id,
             )

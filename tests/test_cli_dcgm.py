@@ -60,6 +60,17 @@ def explain_json(*args: str) -> dict[str, Any]:
             "diag-isolate",
         ),
         ("l3_thermal.json", "fail", 3, ["DCGM_FR_TEMP_VIOLATION"], "MONITOR", "none", "diag-monitor"),
+        ("v3/l2_pass_3.3.json", "pass", 2, [], None, "none", "diag-pass"),
+        (
+            "v3/l2_memory_faulty_3.2.json",
+            "fail",
+            2,
+            ["DCGM_FR_FAULTY_MEMORY"],
+            "ISOLATE",
+            "replace",
+            "diag-isolate",
+        ),
+        ("v3/l3_thermal_3.3.json", "fail", 3, ["DCGM_FR_TEMP_VIOLATION"], "MONITOR", "none", "diag-monitor"),
     ],
 )
 def test_json_verdict_and_default_policy_decision(
@@ -210,7 +221,18 @@ def test_unknown_tests_need_a_level(tmp_path: Path) -> None:
     result = cli.invoke(app, ["dcgm", "explain", str(path)])
     assert result.exit_code == 2
     assert "no test tells the level (future_test); pass --level" in result.stderr
-    assert explain_json(str(path), "--level", "1")["decision"]["rule"] == "diag-pass"
+    # At level 1 the output lacks the level-1 test: incomplete, so no decision.
+    out = explain_json(str(path), "--level", "1")
+    assert (out["verdict"], out["decision"]) == ("incomplete", None)
+    assert [(g["test"], g["status"]) for g in out["skipped"]] == [("software", "missing")]
+    data["DCGM Diagnostic"]["test_categories"][0]["tests"].insert(0, {"name": "software", **data_software()})
+    path.write_text(json.dumps(data))
+    assert explain_json(str(path))["decision"]["rule"] == "diag-pass"
+
+
+def data_software() -> dict[str, Any]:
+    software = json.loads((FIXTURES / "l1_pass.json").read_text())["DCGM Diagnostic"]["test_categories"][0]
+    return {k: v for k, v in software["tests"][0].items() if k != "name"}
 
 
 def test_node_named_after_a_long_file_is_cut_to_a_valid_node(tmp_path: Path) -> None:
@@ -219,3 +241,59 @@ def test_node_named_after_a_long_file_is_cut_to_a_valid_node(tmp_path: Path) -> 
     out = explain_json(str(path))
     assert out["node"] == path.stem[:200]
     assert out["decision"]["rule"] == "diag-isolate"
+
+
+@pytest.mark.parametrize("fixture", ["l2_skipped.json", "v3/l2_skipped_3.3.json"])
+def test_skipped_tests_are_incomplete_with_no_decision(fixture: str) -> None:
+    out = explain_json(str(FIXTURES / fixture))
+    assert (out["verdict"], out["level"], out["decision"]) == ("incomplete", 2, None)
+    assert out["reason"].startswith("not every test of the level ran: ")
+    assert [(g["level"], g["status"], g["where"]) for g in out["skipped"]] == [(2, "skipped", [])] * 2
+
+
+def test_json_lists_each_skipped_test_with_its_reason() -> None:
+    out = explain_json(str(FIXTURES / "l2_skipped.json"))
+    memory, pcie = out["skipped"]
+    assert (memory["test"], memory["where"]) == ("memory", [])
+    assert "Skipping test Memory because ECC is not enabled on GPU 7" in memory["reason"]
+    assert pcie == {
+        "test": "pcie",
+        "level": 2,
+        "status": "skipped",
+        "where": [],
+        "reason": "The pcie test is skipped.",
+        "required": True,
+    }
+
+
+def test_table_lists_skipped_tests_and_why() -> None:
+    result = cli.invoke(app, ["dcgm", "explain", str(FIXTURES / "l2_skipped.json")])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "Skipped or not run" in out
+    assert "The pcie test is skipped." in out
+    assert "Skipping test Memory because ECC is not enabled on GPU 0" in out
+    assert "Verdict: INCOMPLETE" in out
+    assert "Decision: none; the run left tests out" in out
+
+
+def test_table_of_a_dcgm_3_skip_says_no_reason_was_given() -> None:
+    result = cli.invoke(app, ["dcgm", "explain", str(FIXTURES / "v3" / "l2_skipped_3.3.json")])
+    assert result.exit_code == 0, result.output
+    assert "GPU Memory" in result.stdout and "no reason given in the output" in result.stdout
+
+
+def test_a_pass_read_at_a_higher_level_is_incomplete() -> None:
+    out = explain_json(str(FIXTURES / "l2_pass.json"), "--level", "3")
+    assert (out["verdict"], out["decision"]) == ("incomplete", None)
+    assert [g["test"] for g in out["skipped"]] == [
+        "diagnostic",
+        "targeted_stress",
+        "targeted_power",
+        "memory_bandwidth",
+    ]
+    assert all(g["status"] == "missing" for g in out["skipped"])
+
+
+def test_a_pass_has_an_empty_skipped_list() -> None:
+    assert explain_json(str(FIXTURES / "l2_pass.json"))["skipped"] == []

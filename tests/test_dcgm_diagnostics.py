@@ -6,6 +6,8 @@ parsing under test are the real ones.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import stat
@@ -14,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from factories import fault_event, incident
 
+from integrations import registry
 from integrations.dcgm import runner
 from integrations.dcgm.diagnostics import DcgmDiagnostics
 from integrations.dcgm.runner import (
@@ -25,7 +29,15 @@ from integrations.dcgm.runner import (
     run_process,
     runner_from_env,
 )
-from medic.protocols import DiagnosticResult, Diagnostics
+from integrations.sim.fleet import SimFleet
+from medic.config import REPO_ROOT
+from medic.dcgm_errors import Severity
+from medic.facts import facts_of
+from medic.protocols import DiagnosticResult, Diagnostics, NodeState
+from medic.store import Store
+from tasks import runtime as runtime_module
+from tasks.runtime import Runtime, configure
+from tasks.verify import verify
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 NODE = "gpu-node-07"
@@ -175,6 +187,110 @@ def test_partial_results_below_the_requested_level(fake: FakeDcgmi, diagnostics:
     expect_error(
         diagnostics.run(NODE, 3, 30), "partial results, only level-2 tests ran (software, memory, pcie)"
     )
+
+
+@pytest.mark.parametrize(
+    ("fixture", "fragments"),
+    [
+        (
+            "l2_skipped.json",
+            (
+                f"DCGM level 2 on {NODE}: incomplete, not every test of the level ran: memory skipped",
+                "pcie skipped (The pcie test is skipped.)",
+            ),
+        ),
+        (
+            "v3/l2_skipped_3.3.json",
+            ("incomplete", "PCIe skipped (no reason given in the output)", "GPU Memory"),
+        ),
+    ],
+)
+def test_skipped_tests_of_the_level_are_no_pass(
+    fake: FakeDcgmi, diagnostics: DcgmDiagnostics, fixture: str, fragments: tuple[str, ...]
+) -> None:
+    # dcgmi exits 0 here: every result is Pass or Skip. Still never a pass: "error", escalated.
+    fake.mode("fixture", fixture)
+    expect_error(diagnostics.run(NODE, 2, 30), *fragments)
+
+
+def test_one_gpu_skipped_is_no_pass(fake: FakeDcgmi, diagnostics: DcgmDiagnostics, tmp_path: Path) -> None:
+    data = json.loads((FIXTURES / "l2_pass.json").read_text())
+    memory = data["DCGM Diagnostic"]["test_categories"][1]["tests"][0]
+    memory["results"][5]["status"] = "Skip"
+    (tmp_path / "one_skip.json").write_text(json.dumps(data))
+    fake.monkeypatch.setenv("FAKE_DCGMI_MODE", "fixture")
+    fake.monkeypatch.setenv("FAKE_DCGMI_FIXTURE", str(tmp_path / "one_skip.json"))
+    expect_error(diagnostics.run(NODE, 2, 30), "incomplete", "memory skipped on GPU 5")
+
+
+def test_a_required_test_missing_from_the_level_is_no_pass(
+    fake: FakeDcgmi, diagnostics: DcgmDiagnostics, tmp_path: Path
+) -> None:
+    data = json.loads((FIXTURES / "l3_thermal.json").read_text())
+    for category in data["DCGM Diagnostic"]["test_categories"]:
+        category["tests"] = [t for t in category["tests"] if t["name"] != "targeted_power"]
+    (tmp_path / "no_tp.json").write_text(json.dumps(data))
+    fake.monkeypatch.setenv("FAKE_DCGMI_MODE", "fixture")
+    fake.monkeypatch.setenv("FAKE_DCGMI_FIXTURE", str(tmp_path / "no_tp.json"))
+    expect_error(diagnostics.run(NODE, 3, 30), "incomplete", "targeted_power missing")
+
+
+def test_dcgm_3_pass(fake: FakeDcgmi, diagnostics: DcgmDiagnostics) -> None:
+    fake.mode("fixture", "v3/l2_pass_3.3.json")
+    result = diagnostics.run(NODE, 2, timeout_s=30)
+    assert (result.result, result.error_ids) == ("pass", ())
+    assert result.detail.startswith(f"DCGM level 2 pass on {NODE}: 11 tests on 2 GPUs (Denylist, ")
+
+
+@pytest.mark.parametrize(
+    ("fixture", "level", "error_ids", "in_detail"),
+    [
+        (
+            "v3/l3_thermal_3.3.json",
+            3,
+            ("DCGM_FR_TEMP_VIOLATION",),
+            "GPU 0 Targeted Power DCGM_FR_TEMP_VIOLATION (MONITOR): Temperature 93 of GPU 0",
+        ),
+        (
+            "v3/l2_memory_faulty_3.2.json",
+            2,
+            ("DCGM_FR_FAULTY_MEMORY",),
+            "GPU 1 GPU Memory DCGM_FR_FAULTY_MEMORY (ISOLATE)",
+        ),
+    ],
+)
+def test_dcgm_3_failures(
+    fake: FakeDcgmi,
+    diagnostics: DcgmDiagnostics,
+    fixture: str,
+    level: int,
+    error_ids: tuple[str, ...],
+    in_detail: str,
+) -> None:
+    fake.mode("fixture", fixture, rc=205)
+    result = diagnostics.run(NODE, level, timeout_s=30)
+    assert (result.result, result.error_ids) == ("fail", error_ids)
+    assert in_detail in result.detail
+
+
+def test_dcgm_3_runtime_error(fake: FakeDcgmi, diagnostics: DcgmDiagnostics) -> None:
+    fake.mode("fixture", "v3/runtime_error_3.3.json", rc=1)
+    expect_error(diagnostics.run(NODE, 1, 30), "DCGM reported a runtime error", "while DCGM is paused")
+
+
+def test_an_unknown_id_shows_the_severity_the_output_states(
+    fake: FakeDcgmi, diagnostics: DcgmDiagnostics, tmp_path: Path
+) -> None:
+    data = json.loads((FIXTURES / "l2_memory_faulty.json").read_text())
+    memory = data["DCGM Diagnostic"]["test_categories"][1]["tests"][0]
+    for warning in [*memory["results"][3]["warnings"], *memory["test_summary"]["warnings"]]:
+        warning.update(error_id=141, error_severity=6, error_category=10)
+    (tmp_path / "newer.json").write_text(json.dumps(data))
+    fake.monkeypatch.setenv("FAKE_DCGMI_MODE", "fixture")
+    fake.monkeypatch.setenv("FAKE_DCGMI_FIXTURE", str(tmp_path / "newer.json"))
+    result = diagnostics.run(NODE, 2, 30)
+    assert (result.result, result.error_ids) == ("fail", ("141",))
+    assert "GPU 3 memory 141 (RESET)" in result.detail
 
 
 def test_hostengine_down(fake: FakeDcgmi, diagnostics: DcgmDiagnostics) -> None:
@@ -369,3 +485,50 @@ def test_from_env_takes_dcgmis_path() -> None:
     )
     assert isinstance(backend.runner, SshRunner)
     assert backend.command(2) == ["/usr/local/dcgm/bin/dcgmi", "diag", "-r", "2", "-j"]
+
+
+@pytest.mark.parametrize(("fixture", "passed"), [("l2_skipped.json", False), ("l2_pass.json", True)])
+def test_verification_never_reintegrates_on_an_incomplete_run(
+    fake: FakeDcgmi, sqlite_store: Store, fleet: SimFleet, fixture: str, passed: bool
+) -> None:
+    node = sorted(fleet.nodes)[0]
+    backends = dataclasses.replace(
+        registry.simulated(fleet)[0], diagnostics=DcgmDiagnostics(LocalRunner(aliases=[node]))
+    )
+    fake.monkeypatch.setattr(runtime_module, "_current", None)  # put back after the test
+    configure(Runtime(sqlite_store, backends, REPO_ROOT / "policies" / "default.yaml"))
+    inc = incident(fault_event(node=node), node=node)
+    sqlite_store.open_incident(inc)
+    backends.scheduler.drain(node, "medic: DCGM level 2")
+    fake.mode("fixture", fixture)
+    outcome = verify.fn(inc.id, node, 2, ready_timeout_s=1)
+    assert outcome.passed is passed, outcome.detail
+    state = backends.scheduler.node(node).state
+    assert state is (NodeState.IDLE if passed else NodeState.DRAINED)
+    if not passed:
+        assert outcome.detail == "DCGM level 2 error after repair; kept out of service"
+
+
+def test_an_id_newer_than_our_table_reaches_the_policy_with_the_severity_dcgm_stated(
+    fake: FakeDcgmi, diagnostics: DcgmDiagnostics, tmp_path: Path
+) -> None:
+    data = json.loads((FIXTURES / "l2_memory_faulty.json").read_text())
+    for category in data["DCGM Diagnostic"]["test_categories"]:
+        for test in category["tests"]:
+            for result in [test.get("test_summary", {}), *test.get("results", [])]:
+                for warning in result.get("warnings", []):
+                    # An id a later DCGM adds, stated ISOLATE (2) by the output itself.
+                    warning.update(error_id=999, error_severity=2)
+    newer = tmp_path / "newer.json"
+    newer.write_text(json.dumps(data))
+    fake.mode("fixture", str(newer), rc=226)
+    result = diagnostics.run(NODE, 2, timeout_s=30)
+    assert (result.result, result.error_ids, result.worst_severity) == ("fail", ("999",), "ISOLATE")
+
+    ran = fault_event(
+        "diagnostic",
+        node=NODE,
+        attributes={"level": 2, "result": "fail", "error_ids": ["999"], "worst_severity": "ISOLATE"},
+    )
+    [seen] = facts_of(incident(fault_event("xid", node=NODE), ran)).diagnostics
+    assert (seen.error_names, seen.worst_severity) == (("999",), Severity.ISOLATE)

@@ -15,7 +15,7 @@ from rich.table import Table
 
 from apps.cli._common import PolicyOption, console, err
 from apps.cli.render import action_text
-from integrations.dcgm.parse import DcgmOutputError, DiagReport, Status, Verdict, parse_report
+from integrations.dcgm.parse import DcgmOutputError, DiagReport, Gap, Status, Verdict, parse_report
 from medic.config import load_settings
 from medic.events import FaultEvent
 from medic.policy import LoadedPolicy, PolicyError, load_policy
@@ -24,7 +24,13 @@ from medic.triage import triage
 
 dcgm_app = typer.Typer(help="Read DCGM diagnostic output.", no_args_is_help=True)
 
-STATUS_STYLE = {Status.FAIL: "bold red", Status.WARN: "yellow", Status.PASS: "green", Status.SKIP: "dim"}
+STATUS_STYLE = {
+    Status.FAIL: "bold red",
+    Status.WARN: "yellow",
+    Status.PASS: "green",
+    Status.SKIP: "dim",
+    Status.NOT_RUN: "dim",
+}
 
 
 def _fail(message: str) -> typer.Exit:
@@ -42,7 +48,7 @@ def _read(file: Path) -> tuple[str, str]:
         raise _fail(f"{file}: {error.strerror or error}") from None
 
 
-def _decide(report: DiagReport, node: str, level: int, loaded: LoadedPolicy) -> Decision:
+def _decide(report: DiagReport, verdict: Verdict, node: str, level: int, loaded: LoadedPolicy) -> Decision:
     """What the policy decides for an incident holding just this diagnostic (node in service)."""
     event = FaultEvent(
         id=f"dcgm-explain-l{level}",  # the incident id still differs per node: it hashes both
@@ -50,7 +56,7 @@ def _decide(report: DiagReport, node: str, level: int, loaded: LoadedPolicy) -> 
         source="dcgmi",
         kind="diagnostic",
         node=node,
-        attributes={"level": level, "result": report.verdict.value, "error_ids": list(report.error_ids)},
+        attributes={"level": level, "result": verdict.value, "error_ids": list(report.error_ids)},
     )
     [(_, decision)] = triage([event], loaded)
     return decision
@@ -70,11 +76,26 @@ def _entities_table(report: DiagReport) -> Table:
                 name,
                 styled,
                 finding.test,
-                f"{finding.name} ({finding.error_id})",
+                finding.name if finding.error_id is None else f"{finding.name} ({finding.error_id})",
                 finding.severity.value,
                 finding.category,
                 escape(finding.message),
             )
+    return table
+
+
+def _gaps_table(gaps: tuple[Gap, ...]) -> Table:
+    table = Table(title="Skipped or not run", title_justify="left")
+    for column in ("test", "level", "status", "where", "reason"):
+        table.add_column(column, overflow="fold")
+    for gap in gaps:
+        table.add_row(
+            escape(gap.test),
+            str(gap.level or "?"),
+            gap.status,
+            escape(", ".join(gap.where) or "every entity"),
+            escape(gap.reason),
+        )
     return table
 
 
@@ -84,6 +105,9 @@ class Explained:
     node: str
     level: int | None
     report: DiagReport
+    verdict: Verdict  # judged at `level`
+    reason: str
+    gaps: tuple[Gap, ...]  # what a run of `level` left out
     loaded: LoadedPolicy
     decision: Decision | None  # None when the run gave no verdict
 
@@ -96,15 +120,19 @@ def _print(x: Explained) -> None:
     )
     if report.tests:
         console.print(_entities_table(report))
-    verdict = report.verdict.value.upper()
-    console.print(f"Verdict: [bold]{verdict}[/bold], {escape(report.reason)}")
+    if x.gaps:
+        console.print(_gaps_table(x.gaps))
+    console.print(f"Verdict: [bold]{x.verdict.value.upper()}[/bold], {escape(x.reason)}")
     if report.error_ids:
         worst = report.worst_severity.value if report.worst_severity else "-"
         console.print(f"Failing errors: {', '.join(report.error_ids)}; worst DCGM severity {worst}")
     if decision is None:
-        console.print(
-            "Decision: none; DCGM did not run, so there is no verdict about the GPUs (the flow escalates)"
+        why = (
+            "the run left tests out, so there is no verdict about the GPUs; never a pass (the flow escalates)"
+            if x.verdict is Verdict.INCOMPLETE
+            else "DCGM did not run, so there is no verdict about the GPUs (the flow escalates)"
         )
+        console.print(f"Decision: none; {why}")
         return
     console.print(
         f"Decision ({escape(loaded.path)}, {loaded.sha256[:12]}): ",
@@ -124,8 +152,9 @@ def _as_json(x: Explained) -> dict[str, Any]:
         "level": x.level,
         "dcgm_version": report.dcgm_version,
         "driver_version": report.driver_version,
-        "verdict": report.verdict.value,
-        "reason": report.reason,
+        "verdict": x.verdict.value,
+        "reason": x.reason,
+        "skipped": [asdict(g) for g in x.gaps],
         "error_ids": list(report.error_ids),
         "worst_severity": report.worst_severity.value if report.worst_severity else None,
         "entities": [asdict(e) for e in report.entities()],
@@ -148,7 +177,8 @@ def explain(
         ),
     ] = None,
 ) -> None:
-    """The verdict per GPU, each error's DCGM severity and category, and the policy's decision."""
+    """The verdict per GPU, each error's DCGM severity and category, the tests skipped or not run
+    and why, and the policy's decision."""
     text, node = _read(file)
     try:
         report = parse_report(text)
@@ -159,14 +189,16 @@ def explain(
     except PolicyError as error:
         raise _fail(f"policy error\n{error}") from None
     level = level or report.level
+    verdict, reason = report.judge(level)
     decision = None
-    if report.verdict is not Verdict.ERROR:
+    if verdict in (Verdict.PASS, Verdict.FAIL):
         if level is None:
             raise _fail(
                 f"{file}: no test tells the level ({', '.join(t.name for t in report.tests)}); pass --level"
             )
-        decision = _decide(report, node, level, loaded)
-    explained = Explained(file, node, level, report, loaded, decision)
+        decision = _decide(report, verdict, node, level, loaded)
+    gaps = report.gaps(level) if report.tests else ()
+    explained = Explained(file, node, level, report, verdict, reason, gaps, loaded, decision)
     if as_json:
         sys.stdout.write(json.dumps(_as_json(explained)) + "\n")
     else:

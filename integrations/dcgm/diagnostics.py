@@ -1,8 +1,9 @@
 """`Diagnostics` backed by the real `dcgmi diag` (docs/dcgm.md).
 
 Every way a run can go wrong (dcgmi missing, nv-hostengine down, a hang, output that is not
-JSON, a DCGM runtime error, partial results) becomes a DiagnosticResult with result "error"
-and a detail saying which: the flow escalates on "error" instead of guessing about the GPU.
+JSON, a DCGM runtime error, partial results, a test of the level skipped or not run) becomes a
+DiagnosticResult with result "error" and a detail saying which: the flow escalates on "error"
+instead of guessing about the GPU, and verification never reintegrates a node on it.
 """
 
 from __future__ import annotations
@@ -40,8 +41,12 @@ class DcgmDiagnostics:
     def run(self, node: str, level: int, timeout_s: float) -> DiagnosticResult:
         started = datetime.now(UTC)
 
-        def result(verdict: str, detail: str, error_ids: tuple[str, ...] = ()) -> DiagnosticResult:
-            return DiagnosticResult(node, level, verdict, error_ids, detail, started, datetime.now(UTC))
+        def result(
+            verdict: str, detail: str, error_ids: tuple[str, ...] = (), worst: str | None = None
+        ) -> DiagnosticResult:
+            return DiagnosticResult(
+                node, level, verdict, error_ids, detail, started, datetime.now(UTC), worst
+            )
 
         if level not in LEVELS:
             return result("error", f"DCGM level {level} does not exist (1-4)")
@@ -63,7 +68,13 @@ class DcgmDiagnostics:
                 "error",
                 f"DCGM level {level} on {node}: partial results, only level-{report.level} tests ran ({ran})",
             )
-        return result(report.verdict.value, _describe(report, node, level), report.error_ids)
+        verdict, reason = report.judge(level)
+        if verdict is Verdict.INCOMPLETE:
+            # Some GPU was not tested at this level: no verdict, never a pass (nor a reintegration).
+            return result("error", f"DCGM level {level} on {node}: incomplete, {reason}")
+        return result(
+            verdict.value, _describe(report, node, level, verdict), report.error_ids, report.worst_severity
+        )
 
 
 def _tail(text: str) -> str:
@@ -95,8 +106,8 @@ def _run_problem(done: Completed, node: str, level: int, timeout_s: float) -> st
     return None
 
 
-def _describe(report: DiagReport, node: str, level: int) -> str:
-    head = f"DCGM level {level} {report.verdict.value} on {node}"
+def _describe(report: DiagReport, node: str, level: int, verdict: Verdict) -> str:
+    head = f"DCGM level {level} {verdict.value} on {node}"
     if not report.failing:
         gpus = sum(1 for e in report.entities() if e.group == "GPU")
         return f"{head}: {len(report.tests)} tests on {gpus} GPUs ({', '.join(t.name for t in report.tests)})"
