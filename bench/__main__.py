@@ -1,4 +1,7 @@
-"""`python -m bench`: run every benchmark, one at a time, and write BENCHMARKS.md at the repo root."""
+"""`python -m bench`: run every benchmark, one at a time, and write BENCHMARKS.md at the repo root.
+
+`python -m bench NAME` (e.g. `python -m bench sentry`) runs that one and prints its section.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench import agent, flow_overhead, ingest, live, policy, report, triage
+from bench import agent, flow_overhead, ingest, live, policy, report, sentry, triage
 from medic.config import REPO_ROOT
 
 COMMAND = ".venv/bin/python -m bench"
@@ -18,6 +21,7 @@ BENCHMARKS: list[tuple[str, Callable[[], dict[str, Any]], Callable[[dict[str, An
     ("flow overhead", flow_overhead.run, flow_overhead.section),
     ("http ingest", ingest.run, ingest.section),
     ("live path", live.run, live.section),
+    ("sentry", sentry.run, sentry.section),
     ("node agent", agent.run, agent.section),
 ]
 
@@ -28,6 +32,8 @@ def _load() -> str:
 
 
 def main() -> int:
+    if len(sys.argv) > 1:
+        return _one(sys.argv[1])
     started = time.perf_counter()
     cores = os.cpu_count() or 1
     if hasattr(os, "sched_getaffinity"):
@@ -48,6 +54,17 @@ def main() -> int:
     target = REPO_ROOT / "BENCHMARKS.md"
     target.write_text(text, encoding="utf-8")
     print(f"bench: wrote {target} in {total:.0f} s", file=sys.stderr)
+    return 0
+
+
+def _one(name: str) -> int:
+    """Run one benchmark by name and print its section (BENCHMARKS.md is left as it is)."""
+    found = {n: (run, section) for n, run, section in BENCHMARKS}
+    if name not in found:
+        print(f"bench: no benchmark {name!r}; one of {', '.join(found)}", file=sys.stderr)
+        return 2
+    run, section = found[name]
+    print(section(run()))
     return 0
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ import pytest
 from fastapi import FastAPI
 from test_server import REMOTE, TOKEN, free_port, make_app, samples, server_process, serving
 
-from apps.server.sentry import KINDS, translate
+from apps.server.sentry import KINDS, MAX_MATCHED_CHARS, Options, translate
 from medic.events import EventKind, FaultEvent
 from medic.store import Store
 
@@ -39,22 +41,27 @@ def edited(name: str, **event: Any) -> bytes:
     return json.dumps(payload).encode()
 
 
-def headers(payload: bytes, resource: str, secret: bytes = SECRET) -> dict[str, str]:
-    """The headers Sentry sends (docs.sentry.io, integration platform webhooks)."""
+def headers(
+    payload: bytes, resource: str, secret: bytes = SECRET, sent_at: float | None = None
+) -> dict[str, str]:
+    """The headers Sentry sends (docs.sentry.io, integration platform webhooks): the timestamp is
+    Unix seconds when it was sent (getsentry/sentry, app_platform_event.py; SOURCES.md)."""
     return {
         "Content-Type": "application/json",
         "Request-ID": "e4a6f5b0-2c3d-4e5f-8a9b-0c1d2e3f4a5b",
         "Sentry-Hook-Resource": resource,
-        "Sentry-Hook-Timestamp": "1795342543",
+        "Sentry-Hook-Timestamp": str(int(time.time() if sent_at is None else sent_at)),
         "Sentry-Hook-Signature": hmac.new(secret, payload, hashlib.sha256).hexdigest(),
     }
 
 
-def sentry_app(store: Store, handed_on: list[FaultEvent] | None = None) -> FastAPI:
+def sentry_app(
+    store: Store, handed_on: list[FaultEvent] | None = None, options: Options | None = None
+) -> FastAPI:
     async def hand_on(events: list[FaultEvent]) -> None:
         (handed_on if handed_on is not None else []).extend(events)
 
-    return make_app(store, on_accepted=hand_on, sentry_secret=SECRET)
+    return make_app(store, on_accepted=hand_on, sentry_secret=SECRET, sentry_options=options)
 
 
 async def post(client: httpx.AsyncClient, payload: bytes | str, resource: str) -> httpx.Response:
@@ -157,14 +164,15 @@ async def test_a_forged_or_missing_signature_stores_nothing(sqlite_store: Store,
 async def test_what_cannot_be_a_fault_is_rejected_and_kept(sqlite_store: Store) -> None:
     no_node = edited("event_alert_nan", tags=[["job", "48299"], ["server_name", ""]])
     cases = [
-        ("event_alert_unknown", "no fault kind in \"KeyError: 'input_ids'"),  # not a GPU fault
+        # not a GPU fault: dead-lettered only with MEDIC_SENTRY_UNMATCHED=reject
+        ("event_alert_unknown", "no fault kind in \"KeyError: 'input_ids'"),
         (no_node, "no node: tag the job's Sentry events with one of node, host"),
         (edited("event_alert_nan", event_id=None), "no event_id"),
         (edited("event_alert_nan", exception="boom"), "not a Sentry event_alert webhook: AttributeError"),
         (b"{not json", "not a Sentry event_alert webhook: JSONDecodeError"),
         (edited("event_alert_nan", datetime="yesterday"), "time: Input should be a valid datetime"),
     ]
-    async with serving(sentry_app(sqlite_store)) as client:
+    async with serving(sentry_app(sqlite_store, options=Options(reject_unmatched=True))) as client:
         answers = [await post(client, payload, "event_alert") for payload, _ in cases]
     for answer, (_, reason) in zip(answers, cases, strict=True):
         assert answer.status_code == 422
@@ -205,15 +213,16 @@ async def test_sentry_webhooks_are_counted_with_the_posted_events(sqlite_store: 
         await post(client, "issue_created", "issue")
         await client.post("/v1/sentry", content=body("event_alert_nan"), headers={})
         values = samples((await client.get("/metrics")).text)
-    assert values[("medic_events_received_total", ())] == 3
+    assert values[("medic_events_received_total", ())] == 2  # the KeyError is no fault: not an event
     assert values[("medic_events_stored_total", ())] == 1
     assert values[("medic_events_duplicate_total", ())] == 1
-    assert values[("medic_events_rejected_total", ())] == 1
+    assert values[("medic_events_rejected_total", ())] == 0
+    assert values[("medic_sentry_ignored_total", (("reason", "not_a_fault"),))] == 1
+    assert values[("medic_sentry_ignored_total", (("reason", "no_error_event"),))] == 1
     answered = {
-        code: values[("medic_ingest_seconds_count", (("code", code),))]
-        for code in ("200", "202", "401", "422")
+        code: values[("medic_ingest_seconds_count", (("code", code),))] for code in ("200", "202", "401")
     }
-    assert answered == {"200": 2, "202": 1, "401": 1, "422": 1}
+    assert answered == {"200": 2, "202": 2, "401": 1}
 
 
 @pytest.mark.anyio
@@ -277,3 +286,117 @@ def test_medic_serve_takes_sentry_webhooks_with_only_the_sentry_secret(tmp_path:
     store = Store(f"sqlite:///{tmp_path / 'medic.db'}")
     assert [e.id for e in store.events_between(*DAY)] == ["sentry-9a1c77b2e0f54d8c8e3b2a1f0c9d8e7f"]
     store.close()
+
+
+# --- framework NaN messages, exceptions that are no GPU fault, the replay window ---------------
+
+FRAMEWORKS = json.loads((FIXTURES / "frameworks.json").read_text(encoding="utf-8"))
+
+
+def alert_with(exception_type: str, value: str, event_id: str = "f00dfeed") -> bytes:
+    """The NaN event_alert fixture, its exception replaced (a logged message has no type)."""
+    exception = {"values": [{"type": exception_type, "value": value} if exception_type else {"value": value}]}
+    return edited("event_alert_nan", event_id=event_id, title=value[:100], exception=exception)
+
+
+@pytest.mark.parametrize("case", FRAMEWORKS, ids=[f"{c['framework']}:{c['value'][:40]}" for c in FRAMEWORKS])
+def test_framework_messages_from_their_sources(case: dict[str, Any]) -> None:
+    text = f"{case['type']}: {case['value']}" if case["type"] else case["value"]
+    found = next((k.kind.value for k in KINDS if k.pattern.search(text)), None)
+    assert found == case["kind"], case["source"]
+    translated = translate(alert_with(case["type"], case["value"]), "event_alert", "r")
+    if case["kind"] is None:
+        assert translated.reason == "not_a_fault" and not translated.decoded.rejections
+    else:
+        (event,) = translated.decoded.events
+        assert event.kind == case["kind"]
+
+
+def test_the_patterns_are_linear_time() -> None:
+    for row in KINDS:
+        # No unbounded repetition (`*`, `+`, `{n,}`) outside a character class and not escaped,
+        # hence no nested unbounded quantifier either.
+        bare = re.sub(r"\\.|\[(?:\\.|[^\]])*\]", "", row.pattern.pattern)
+        assert not re.search(r"[*+]|\{\d+,\}", bare), row.pattern.pattern
+    # Inputs built to make backtracking patterns explode; each is cut to MAX_MATCHED_CHARS.
+    nasty = ["xid (" * 20_000, "xid" + " " * 100_000, "nccl " * 30_000, "loss returned in " * 10_000]
+    for text in nasty:
+        started = time.perf_counter()
+        payload = {"data": {"event": {"event_id": "e", "message": text, "tags": [["node", "n"]]}}}
+        translate(json.dumps(payload).encode(), "event_alert", "r")
+        assert time.perf_counter() - started < 0.5, text[:20]
+    assert MAX_MATCHED_CHARS == 64 * 1024
+
+
+@pytest.mark.anyio
+async def test_an_exception_that_is_no_gpu_fault_is_acknowledged_counted_and_dropped(
+    sqlite_store: Store,
+) -> None:
+    oom = next(c for c in FRAMEWORKS if "out of memory" in c["value"])
+    async with serving(sentry_app(sqlite_store)) as client:
+        key_error = await post(client, "event_alert_unknown", "event_alert")
+        out_of_memory = await post(client, alert_with(oom["type"], oom["value"]), "event_alert")
+        values = samples((await client.get("/metrics")).text)
+    assert (
+        key_error.status_code == 202
+        and "no fault kind in \"KeyError: 'input_ids'" in key_error.json()["ignored"]
+    )
+    assert out_of_memory.status_code == 202 and "CUDA out of memory" in out_of_memory.json()["ignored"]
+    assert values[("medic_sentry_ignored_total", (("reason", "not_a_fault"),))] == 2
+    assert sqlite_store.events_between(*DAY) == [] and sqlite_store.rejections() == []
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("sent_at", "reason"),
+    [
+        (-301, "s old, outside the 300 s replay window"),
+        (+301, "s in the future, outside the 300 s replay window"),
+        (None, "Sentry-Hook-Timestamp missing"),
+    ],
+    ids=["stale", "future", "missing"],
+)
+async def test_a_delivery_outside_the_replay_window_is_refused(
+    sqlite_store: Store, sent_at: int | None, reason: str
+) -> None:
+    payload = body("event_alert_nccl")
+    sent = headers(payload, "event_alert", sent_at=time.time() + (sent_at or 0))
+    if sent_at is None:
+        del sent["Sentry-Hook-Timestamp"]
+    async with serving(sentry_app(sqlite_store)) as client:
+        response = await client.post("/v1/sentry", content=payload, headers=sent)
+        unchecked = await serving_once(sqlite_store, payload, sent)
+    assert response.status_code == 401 and reason in response.json()["error"]
+    assert unchecked.status_code == 200  # MEDIC_SENTRY_REPLAY_WINDOW_SECONDS=0: no check
+    assert [e.id for e in sqlite_store.events_between(*DAY)] == ["sentry-4f6b0e8c3d2a4b1f9e7d6c5b4a392817"]
+
+
+async def serving_once(store: Store, payload: bytes, sent: dict[str, str]) -> httpx.Response:
+    async with serving(sentry_app(store, options=Options(window_s=0))) as client:
+        return await client.post("/v1/sentry", content=payload, headers=sent)
+
+
+@pytest.mark.anyio
+async def test_within_the_window_both_ways_is_accepted(sqlite_store: Store) -> None:
+    async with serving(sentry_app(sqlite_store)) as client:
+        late = await post_at(client, "event_alert_nccl", time.time() - 290)
+        early = await post_at(client, "error_xid", time.time() + 290, "error")
+    assert (late.status_code, early.status_code) == (200, 200)
+
+
+async def post_at(
+    client: httpx.AsyncClient, name: str, sent_at: float, resource: str = "event_alert"
+) -> httpx.Response:
+    payload = body(name)
+    return await client.post(
+        "/v1/sentry", content=payload, headers=headers(payload, resource, sent_at=sent_at)
+    )
+
+
+def test_the_options_from_the_environment() -> None:
+    assert Options.from_env({}) == Options(window_s=300, reject_unmatched=False)
+    env = {"MEDIC_SENTRY_REPLAY_WINDOW_SECONDS": "60", "MEDIC_SENTRY_UNMATCHED": "reject"}
+    assert Options.from_env(env) == Options(window_s=60, reject_unmatched=True)
+    for bad in ({"MEDIC_SENTRY_REPLAY_WINDOW_SECONDS": "5m"}, {"MEDIC_SENTRY_UNMATCHED": "drop"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Options.from_env(bad)

@@ -31,6 +31,7 @@ from apps.server.auth import sign
 from apps.server.emit import parse_attribute
 from medic.events import FaultEvent
 from medic.policy import Decision
+from medic.statuses import ACTIVE_INCIDENT_STATUSES
 from medic.store import Store, utcnow
 from medic.store.tables import EventRecord, RejectedRecord
 
@@ -190,6 +191,128 @@ async def test_bad_cloudevents_name_the_field_and_keep_what_was_sent(sqlite_stor
     ]
     rejected = sqlite_store.rejections()
     assert json.loads(rejected[3].raw) == bad[3]  # the CloudEvent as sent, not our envelope
+
+
+CLOUDEVENTS = Path(__file__).parent / "fixtures" / "cloudevents"
+# What the spec's examples elide, filled in with ours (tests/fixtures/cloudevents/SOURCES.md).
+SPEC_DATA = '"node": "gpu-017", "gpu": 3, "attributes": {"code": 79}'
+SPEC_ATTRIBUTES = '"id": "ev-{n}", "source": "/mycontext/subcontext", "time": "2018-04-05T03:56:24Z",'
+
+
+def spec_request(name: str) -> tuple[dict[str, str], bytes]:
+    """One of the HTTP binding's example requests as headers and body, its elisions filled in."""
+    head, _, body = (CLOUDEVENTS / f"{name}.http").read_text(encoding="utf-8").partition("\n\n")
+    headers = {}
+    for line in head.splitlines()[1:]:  # after the request line
+        name_, sep, value = line.partition(": ")
+        if sep and not line.startswith(" ") and name_.lower() not in ("host", "content-length"):
+            headers[name_] = value
+    numbered = iter(range(1, 10))
+    while "... further attributes omitted ..." in body:
+        body = body.replace("... further attributes omitted ...", SPEC_ATTRIBUTES.format(n=next(numbered)), 1)
+    body = body.replace("... application data ...", SPEC_DATA)
+    body = body.replace("com.example.someotherevent", "medic.fault.xid").replace(
+        "com.example.someevent", "medic.fault.xid"
+    )
+    headers = {k: v.replace("com.example.someevent", "medic.fault.xid") for k, v in headers.items()}
+    return headers, body.encode()
+
+
+@pytest.mark.anyio
+async def test_the_http_bindings_examples_in_all_three_modes(sqlite_store: Store) -> None:
+    async with serving(make_app(sqlite_store)) as client:
+        answers = {}
+        for mode in ("binary", "structured", "batched"):
+            headers, body = spec_request(f"{mode}_request")
+            answers[mode] = await client.post("/v1/events", content=body, headers=BEARER | headers)
+    assert {mode: r.json() for mode, r in answers.items()} == {
+        "binary": {"accepted": 1, "duplicates": [], "rejected": []},
+        "structured": {"accepted": 1, "duplicates": [], "rejected": []},
+        "batched": {"accepted": 1, "duplicates": ["ev-1"], "rejected": []},  # ids from our filling-in
+    }
+    events = {e.id: e for e in sqlite_store.undispatched_events()}
+    assert set(events) == {"1234-1234-1234", "ev-1", "ev-2"}
+    binary = events["1234-1234-1234"]  # the binary example's ce-id, ce-source, ce-time
+    assert binary.model_dump(mode="json", exclude_none=True) == {
+        "id": "1234-1234-1234",
+        "time": "2018-04-05T03:56:24Z",
+        "source": "/mycontext/subcontext",
+        "kind": "xid",
+        "node": "gpu-017",
+        "gpu": 3,
+        "attributes": {"code": 79},
+    }
+
+
+def binary(**headers: str | None) -> dict[str, str]:
+    """The binding's binary example headers (ours for type), with some replaced or (None) removed."""
+    sent, _ = spec_request("binary_request")
+    for name, value in headers.items():
+        header = name.replace("_", "-")
+        sent.pop(header, None)
+        if value is not None:
+            sent[header] = value
+    return BEARER | sent
+
+
+@pytest.mark.anyio
+async def test_a_binary_mode_request_names_the_header_that_is_wrong(sqlite_store: Store) -> None:
+    data = json.dumps({"node": "gpu-017", "gpu": 3, "attributes": {"code": 79}})
+    cases = [
+        (binary(ce_id=None), "ce-id: header missing in binary mode"),
+        (binary(ce_source=None), "ce-source: header missing in binary mode"),
+        (binary(ce_type=None), "ce-type: header missing in binary mode"),
+        (binary(ce_specversion=None), "ce-specversion: header missing in binary mode"),
+        (binary(ce_time=None), "ce-time: header missing in binary mode (our events need a time)"),
+        (binary(ce_specversion="0.3"), "ce-specversion: only '1.0' is supported, got '0.3'"),
+        (binary(ce_source="%C0%A0"), "ce-source: not valid percent-encoded UTF-8"),  # overlong, 3.1.3.2
+        (
+            binary(ce_datacontenttype="application/json"),
+            "ce-datacontenttype: must not be sent in binary mode",
+        ),
+        (binary(Content_Type="text/plain"), "content-type: binary-mode data must be a JSON object"),
+        (binary(ce_time="yesterday"), "time: Input should be a valid datetime"),
+    ]
+    async with serving(make_app(sqlite_store)) as client:
+        answers = [await client.post("/v1/events", content=data, headers=h) for h, _ in cases]
+        not_an_object = await client.post("/v1/events", content=b"[1]", headers=binary())
+    for answer, (_, reason) in zip(answers, cases, strict=True):
+        assert answer.status_code == 422
+        (problem,) = answer.json()["rejected"]
+        assert problem["index"] == 0 and problem["error"].startswith(reason), problem
+    assert not_an_object.json()["rejected"][0]["error"] == "data (the body): expected a JSON object, got list"
+    assert sqlite_store.undispatched_events() == []
+    kept = sqlite_store.rejections()[0]  # the request as sent: its ce-* headers and its body
+    assert "ce-source: /mycontext/subcontext" in kept.raw and kept.raw.endswith(data)
+    assert "ce-id" not in kept.raw
+
+
+@pytest.mark.anyio
+async def test_binary_mode_header_values_are_percent_decoded(sqlite_store: Store) -> None:
+    data = json.dumps({"node": "gpu-017", "attributes": {"code": 79}})
+    # The binding's example (3.1.3.2), lower-case hex and an unnecessary escape, a quoted string.
+    source = binary(ce_id="ev%2d1", ce_source="Euro%20%E2%82%AC%20%F0%9F%98%80")
+    quoted = binary(ce_id='"ev 2"', ce_source="%e2%82%ac")
+    async with serving(make_app(sqlite_store)) as client:
+        first = await client.post("/v1/events", content=data, headers=source)
+        second = await client.post("/v1/events", content=data, headers=quoted)
+    assert (first.json()["accepted"], second.json()["accepted"]) == (1, 1)
+    events = {e.id: e.source for e in sqlite_store.undispatched_events()}
+    assert events == {"ev-1": "Euro \u20ac \U0001f600", "ev 2": "\u20ac"}
+
+
+@pytest.mark.anyio
+async def test_structured_mode_may_carry_ce_headers_too(sqlite_store: Store) -> None:
+    # The binding, 3.2.3: a structured-mode message MAY also carry the binary-mode headers.
+    headers = BEARER | {
+        "Content-Type": "application/cloudevents+json",
+        "ce-id": "other",
+        "ce-specversion": "1.0",
+    }
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.post("/v1/events", content=json.dumps(cloudevent("ce9")), headers=headers)
+    assert response.json()["accepted"] == 1
+    assert [e.id for e in sqlite_store.undispatched_events()] == ["ce9"]
 
 
 # --- the reply contract: partial batches, named problems, the dead letter -----------------------
@@ -730,3 +853,86 @@ def test_emit_attributes_are_json_when_they_parse(pair: str, expected: tuple[str
 def test_emit_attribute_without_a_key_is_refused() -> None:
     with pytest.raises(ValueError, match="key=value"):
         parse_attribute("=3")
+
+
+def processes_with(variable: str) -> set[int]:
+    """Processes whose environment holds `variable` (NAME=value): this test's servers, whoever their parent."""
+    found = set()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if variable.encode() in environ.read_bytes().split(b"\0"):
+                found.add(int(environ.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def test_sigterm_during_a_sentry_burst_stops_within_10_s_and_a_restart_finishes_the_work(
+    tmp_path: Path,
+) -> None:
+    from bench.sentry import SECRET as SENTRY_SECRET
+    from bench.sentry import webhook
+
+    home = f"PREFECT_HOME={tmp_path / 'prefect'}"
+    env = {
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": "",
+        "MEDIC_BACKENDS": "sim",
+        "MEDIC_SENTRY_CLIENT_SECRET": SENTRY_SECRET,
+    }
+    database, port = tmp_path / "medic.db", free_port()
+    url = f"http://127.0.0.1:{port}/v1/sentry"
+    webhooks = [webhook(f"sigterm-{i}", f"sigterm-node-{i}") for i in range(40)]
+
+    def deliver(item: tuple[bytes, dict[str, str]]) -> str | None:
+        body, headers = item
+        try:
+            response = httpx.post(url, content=body, headers=headers, timeout=30)
+        except httpx.HTTPError:  # refused or cut off by the shutdown: Sentry would count a failure
+            return None
+        return (
+            "sentry-" + json.loads(body)["data"]["event"]["event_id"] if response.status_code == 200 else None
+        )
+
+    with server_process(database, port, env) as process:
+        deadline = time.monotonic() + 90
+        while not children(process.pid):  # the embedded Prefect server, started by the warm-up
+            assert time.monotonic() < deadline, "the embedded Prefect server never started"
+            time.sleep(0.2)
+        warm_body, warm_headers = webhook("sigterm-warm-up", "sigterm-warm-up")
+        assert httpx.post(url, content=warm_body, headers=warm_headers, timeout=30).status_code == 200
+        time.sleep(3)  # its flow run under way
+        with ThreadPoolExecutor(40) as pool:
+            answers = pool.map(deliver, webhooks)
+            time.sleep(0.3)  # the burst in flight, and its first flow runs started
+            embedded = children(process.pid)
+            process.send_signal(signal.SIGTERM)
+            stopped = time.monotonic()
+            process.wait(timeout=30)
+            took = time.monotonic() - stopped
+        acknowledged = {a for a in answers if a}
+    assert process.returncode == 128 + signal.SIGTERM
+    assert took < 10, f"medic serve took {took:.1f} s to stop"
+    assert embedded and not {pid for pid in embedded if Path(f"/proc/{pid}").exists()}
+    assert processes_with(home) == set(), "a process of this service outlived it"
+
+    store = Store(f"sqlite:///{database}")
+    assert acknowledged <= stored_ids(store)  # every answered webhook was committed first
+    store.close()
+    # The next start hands on what was not handed on and resumes what was not finished.
+    with server_process(database, free_port(), env) as restarted:
+        store = Store(f"sqlite:///{database}")
+        deadline = time.monotonic() + 180
+        while True:
+            with store.session() as s:
+                statuses = list(s.exec(text("SELECT status FROM incidents")).scalars())
+            unfinished = [st for st in statuses if st in ACTIVE_INCIDENT_STATUSES]
+            if not unfinished and not store.undispatched_events():
+                break
+            assert time.monotonic() < deadline, f"left after the restart: {unfinished}"
+            time.sleep(0.5)
+        store.close()
+        restarted.send_signal(signal.SIGTERM)  # not kill: its embedded Prefect server stops with it
+        restarted.wait(timeout=30)
+    assert processes_with(home) == set()
+    assert len(statuses) >= len(acknowledged)

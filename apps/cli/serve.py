@@ -21,8 +21,11 @@ from apps.server import DEFAULT_HOST, DEFAULT_PORT
 from apps.server.emit import DEFAULT_URL, TOKEN_ENV, URL_ENV, build_event, parse_attribute, post_events
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from apps.server.slack import SlackCallbacks
     from flows.live import LiveDispatcher
+    from medic.store.tables import IncidentRecord
 
 
 class Dispatch(StrEnum):
@@ -55,7 +58,13 @@ def serve(
     dispatcher, slack = _remediation(dispatch)
     try:
         run_server(
-            host, port, on_accepted=dispatcher, slack=slack, log_level=log_level, access_log=access_log
+            host,
+            port,
+            on_accepted=dispatcher,
+            slack=slack,
+            log_level=log_level,
+            access_log=access_log,
+            on_start=_resumer(dispatcher) if dispatch is Dispatch.LOCAL else None,
         )
     except ServeConfigError as error:
         err.print(f"[red]error:[/red] {escape(str(error))}")
@@ -79,6 +88,44 @@ def _remediation(dispatch: Dispatch) -> tuple[LiveDispatcher, SlackCallbacks]:
     dispatcher.warm_up_in_background()  # Prefect's API starts now, not when the first fault arrives
     slack = SlackCallbacks(approvers=lambda: rt.policy().policy.approvals.approvers, resume=resume_flow_run)
     return dispatcher, slack
+
+
+def _resumer(dispatcher: LiveDispatcher) -> Callable[[], Awaitable[None]]:
+    """At startup, a flow run for every incident still being handled in the store.
+
+    With local dispatch the flow runs live in this process: an incident still open, remediating
+    or waiting for approval when the service starts was left so by the one before it (stopped,
+    or killed, mid-run). Its run starts again; node actions it already took are not repeated
+    (they are claimed once per incident and action).
+    """
+    import asyncio
+
+    import anyio
+
+    from medic.incidents import Incident
+
+    running: set[asyncio.Task[None]] = set()
+
+    async def resume() -> None:
+        records = await anyio.to_thread.run_sync(_unfinished, dispatcher)
+        for record in records:
+            incident = Incident(id=record.id, node=record.node, scope=record.scope)  # type: ignore[arg-type]
+            task = asyncio.create_task(dispatcher.start(incident))
+            running.add(task)
+            task.add_done_callback(running.discard)
+
+    return resume
+
+
+def _unfinished(dispatcher: LiveDispatcher) -> list[IncidentRecord]:
+    from sqlmodel import col, select
+
+    from medic.statuses import ACTIVE_INCIDENT_STATUSES
+    from medic.store.tables import IncidentRecord
+
+    query = select(IncidentRecord).where(col(IncidentRecord.status).in_(sorted(ACTIVE_INCIDENT_STATUSES)))
+    with dispatcher.rt.store.session() as s:
+        return list(s.exec(query.order_by(col(IncidentRecord.opened_at))))
 
 
 def _prefect_api_url() -> str | None:

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from apps.server import sentry
 from apps.server.auth import SIGNATURE_HEADER, Auth
+from apps.server.cloudevents import binary_headers
 from apps.server.decode import Decoded, Problem, decode
 from apps.server.metrics import IngestMetrics
 from apps.server.slack import SlackCallbacks
@@ -33,7 +34,11 @@ from medic.store import Store
 log = logging.getLogger("apps.server")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# At shutdown, queued batches are handed on for at most this long; the rest stay stored and
+# undispatched, and the next start hands them on (its backlog).
+HAND_ON_GRACE_S = 3.0
 OnAccepted = Callable[[list[FaultEvent]], Awaitable[None]]
+OnStart = Callable[[], Awaitable[None]]
 
 
 class IngestReply(BaseModel):
@@ -58,10 +63,15 @@ class Ingested:
 
 
 def ingest(
-    store: Store, body: bytes, content_type: str | None, remote: str, writes: AbstractContextManager[Any]
+    store: Store,
+    body: bytes,
+    content_type: str | None,
+    remote: str,
+    writes: AbstractContextManager[Any],
+    ce_headers: dict[str, str] | None = None,
 ) -> Ingested:
     """Validate one body and commit what it holds (blocking: run it in a worker thread)."""
-    return commit(store, decode(body, content_type, remote), writes)
+    return commit(store, decode(body, content_type, remote, ce_headers), writes)
 
 
 def commit(store: Store, decoded: Decoded, writes: AbstractContextManager[Any]) -> Ingested:
@@ -88,7 +98,11 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     slack: SlackCallbacks | None = None,
     sentry_secret: bytes | None = None,
+    sentry_options: sentry.Options | None = None,
+    on_start: OnStart | None = None,
 ) -> FastAPI:
+    """The app. `on_start` runs once at startup, beside the backlog's hand-on (the warm path
+    resumes there the incidents a previous process left unfinished)."""
     auth = Auth.of(tokens, hmac_secret)
     metrics = IngestMetrics(store)
     relay = _Relay(on_accepted) if on_accepted is not None else None
@@ -103,12 +117,17 @@ def create_app(
             return
         # Events accepted before a crash but never handed on go first.
         backlog = await anyio.to_thread.run_sync(store.undispatched_events)
+        if on_start is not None:
+            await on_start()
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(relay.run, backlog)
             try:
                 yield
             finally:
-                relay.close()  # it hands on what is queued, then ends; shutdown waits for it
+                relay.close()  # it hands on what is queued, then ends; shutdown waits for it, briefly
+                with anyio.move_on_after(HAND_ON_GRACE_S):
+                    await relay.finished.wait()
+                tasks.cancel_scope.cancel()
 
     app = FastAPI(
         title="GPU Medic ingest", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
@@ -143,7 +162,10 @@ def create_app(
                 401, f"a bearer token or an {SIGNATURE_HEADER} is required", {"WWW-Authenticate": "Bearer"}
             )
         content_type = request.headers.get("content-type")
-        done = await anyio.to_thread.run_sync(ingest, store, body, content_type, _remote(request), writes)
+        ce_headers = binary_headers(request.headers.items())  # CloudEvents binary mode
+        done = await anyio.to_thread.run_sync(
+            ingest, store, body, content_type, _remote(request), writes, ce_headers
+        )
         return _answered(done)
 
     def _answered(done: Ingested) -> Response:
@@ -159,17 +181,29 @@ def create_app(
     ingest_route("/v1/events", post_events)
 
     if sentry_secret:
-        secret = sentry_secret
+        secret, options = sentry_secret, sentry_options or sentry.Options()
+
+        def take(body: bytes, resource: str | None, remote: str) -> Ingested | sentry.Translated:
+            """Translate and commit in one trip to a worker thread: the loop only reads and answers."""
+            translated = sentry.translate(body, resource, remote, reject_unmatched=options.reject_unmatched)
+            return translated if translated.ignored else commit(store, translated.decoded, writes)
 
         async def post_sentry(request: Request) -> Response:
             body = await _read_body(request, max_body_bytes)
             if not sentry.signature_ok(secret, body, request.headers.get(sentry.SIGNATURE_HEADER)):
                 raise _Refused(401, f"{sentry.SIGNATURE_HEADER} does not match the body")
+            # Checked after the signature, so a stranger learns nothing; the timestamp itself is
+            # not signed, so this bounds replays of a captured request, and event ids dedupe the rest.
+            stale = sentry.timestamp_problem(
+                request.headers.get(sentry.TIMESTAMP_HEADER), time.time(), options.window_s
+            )
+            if stale:
+                raise _Refused(401, stale)
             resource = request.headers.get(sentry.RESOURCE_HEADER)
-            translated = await anyio.to_thread.run_sync(sentry.translate, body, resource, _remote(request))
-            if translated.ignored:
-                return JSONResponse({"ignored": translated.ignored}, status_code=202)
-            done = await anyio.to_thread.run_sync(commit, store, translated.decoded, writes)
+            done = await anyio.to_thread.run_sync(take, body, resource, _remote(request))
+            if isinstance(done, sentry.Translated):
+                metrics.sentry_ignored.labels(reason=done.reason or sentry.NO_ERROR_EVENT).inc()
+                return JSONResponse({"ignored": done.ignored}, status_code=202)
             return _answered(done)
 
         ingest_route("/v1/sentry", post_sentry)
@@ -204,6 +238,7 @@ class _Relay:
     def __init__(self, on_accepted: OnAccepted) -> None:
         self.on_accepted = on_accepted
         self._out, self._in = anyio.create_memory_object_stream[list[FaultEvent]](math.inf)
+        self.finished = anyio.Event()
 
     def send(self, events: list[FaultEvent]) -> None:
         self._out.send_nowait(events)
@@ -212,11 +247,14 @@ class _Relay:
         self._out.close()
 
     async def run(self, backlog: list[FaultEvent]) -> None:
-        if backlog:
-            await self._hand_on(backlog)
-        async with self._in:
-            async for events in self._in:
-                await self._hand_on(events)
+        try:
+            if backlog:
+                await self._hand_on(backlog)
+            async with self._in:
+                async for events in self._in:
+                    await self._hand_on(events)
+        finally:
+            self.finished.set()
 
     async def _hand_on(self, events: list[FaultEvent]) -> None:
         try:

@@ -1,4 +1,5 @@
-"""A request body to events and rejections: one JSON event, a JSON array, JSON lines, CloudEvents.
+"""A request body to events and rejections: one JSON event, a JSON array, JSON lines, CloudEvents
+(structured, batched, or binary mode with its `ce-*` headers).
 
 Every item goes through `medic.intake.parse_line`, so an event posted over HTTP is held to
 exactly the rules of a line in an events file (size, NUL characters, the schema).
@@ -13,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from apps.server.cloudevents import is_cloudevent, to_envelope
+from apps.server.cloudevents import HEADER_PREFIX, binary_event, is_cloudevent, to_envelope
 from medic.events import FaultEvent
 from medic.intake import MAX_LINE_BYTES, Rejection, parse_line
 
@@ -48,12 +49,21 @@ def media_type(content_type: str | None) -> str:
     return (content_type or "").split(";", 1)[0].strip().lower()
 
 
-def decode(body: bytes, content_type: str | None, remote: str) -> Decoded:
-    """Validate every item of a body; rejections carry `http:<remote>:<line>` or `...:[<index>]`."""
+def decode(
+    body: bytes, content_type: str | None, remote: str, ce_headers: dict[str, str] | None = None
+) -> Decoded:
+    """Validate every item of a body; rejections carry `http:<remote>:<line>` or `...:[<index>]`.
+
+    `ce_headers` (attribute name to raw header value, from `cloudevents.binary_headers`): a
+    request with any makes one binary-mode CloudEvent, unless its Content-Type says structured.
+    """
     # utf-8-sig and "replace", as for files: a BOM or one bad byte must not cost the whole body.
     text = body.decode("utf-8-sig", errors="replace")
     media = media_type(content_type)
     decoded = Decoded()
+    if ce_headers and media not in CLOUDEVENTS_TYPES:
+        _decode_binary(text, content_type, ce_headers, remote, decoded)
+        return decoded
     if media in LINES_TYPES:
         _decode_lines(text, remote, decoded)
         return decoded
@@ -74,6 +84,25 @@ def decode(body: bytes, content_type: str | None, remote: str) -> Decoded:
         else:
             decoded.events.append(parsed)
     return decoded
+
+
+def _decode_binary(
+    text: str, content_type: str | None, ce_headers: dict[str, str], remote: str, decoded: Decoded
+) -> None:
+    origin = f"http:{remote}:[0]"
+    try:
+        parsed = _validate("", binary_event(ce_headers, text, content_type), origin, cloudevent=True)
+    except ValueError as error:
+        parsed = Rejection(origin, "", str(error))
+    if isinstance(parsed, Rejection):
+        # The dead letter keeps the request as sent: its ce-* headers, Content-Type, the body.
+        head = [f"{HEADER_PREFIX}{name}: {value}" for name, value in sorted(ce_headers.items())]
+        sent = "\n".join([*head, f"content-type: {content_type or ''}", "", text])
+        decoded.reject(
+            Rejection(origin, sent if len(sent) <= MAX_LINE_BYTES else sent[:1000], parsed.reason), index=0
+        )
+    else:
+        decoded.events.append(parsed)
 
 
 def _decode_lines(text: str, remote: str, decoded: Decoded) -> None:

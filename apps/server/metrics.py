@@ -78,6 +78,13 @@ class IngestMetrics:
         self.rejected = Counter(
             "medic_events_rejected", "Posted items that were not valid events.", registry=self.registry
         )
+        self.sentry_ignored = Counter(
+            "medic_sentry_ignored",
+            "Sentry webhooks acknowledged (202) and dropped: no_error_event (a resource without one), "
+            "not_a_fault (an exception of no fault kind).",
+            labelnames=["reason"],
+            registry=self.registry,
+        )
         self.latency = Histogram(
             "medic_ingest_seconds",
             "Time to answer POST /v1/events or /v1/sentry, by HTTP status.",

@@ -3,8 +3,13 @@
 Training jobs report their exceptions to Sentry, tagged with where they ran (node, job, rank,
 GPU, iteration). A Sentry internal integration forwards each error or issue alert here; the
 exception's text says what kind of fault it is, by the first matching row of `KINDS`. An
-event that names no node, or whose exception matches no row, goes to the dead letter with the
-reason: it is kept, never guessed at.
+exception that matches no row (an OOM, a `KeyError` in the data loader) is no GPU fault: it is
+acknowledged, counted and dropped (`MEDIC_SENTRY_UNMATCHED=reject`: dead-lettered instead). An
+event that names no node, or that is not shaped like Sentry's payload, goes to the dead letter
+with the reason: it is kept, never guessed at.
+
+`Sentry-Hook-Timestamp` (Unix seconds when Sentry sent the request; not covered by the
+signature) must be within the replay window of our clock, `MEDIC_SENTRY_REPLAY_WINDOW_SECONDS`.
 """
 
 from __future__ import annotations
@@ -23,14 +28,24 @@ from medic.events import EventKind
 from medic.intake import MAX_LINE_BYTES, Rejection, parse_line
 
 SECRET_ENV = "MEDIC_SENTRY_CLIENT_SECRET"
+WINDOW_ENV = "MEDIC_SENTRY_REPLAY_WINDOW_SECONDS"
+UNMATCHED_ENV = "MEDIC_SENTRY_UNMATCHED"
+DEFAULT_WINDOW_S = 300
 SIGNATURE_HEADER = "Sentry-Hook-Signature"
 RESOURCE_HEADER = "Sentry-Hook-Resource"
+TIMESTAMP_HEADER = "Sentry-Hook-Timestamp"
 # The resources that carry one error event with its tags, and where it is in `data`; the rest
 # (issue, comment, installation, metric_alert, ...) are acknowledged and ignored.
 EVENT_RESOURCES = {"event_alert": "event", "error": "error"}
 NODE_TAGS = ("node", "host", "hostname", "server_name")
 JOB_TAGS = ("job", "job_id", "slurm_job_id")
 COUNT_TAGS = ("rank", "gpu", "iteration")
+# The patterns see at most this much of the exception's text: with only bounded quantifiers and
+# no nested ones, matching is linear in it, whatever a webhook holds.
+MAX_MATCHED_CHARS = 64 * 1024
+# Why a webhook was acknowledged and dropped: the `reason` label of medic_sentry_ignored_total.
+NO_ERROR_EVENT = "no_error_event"
+NOT_A_FAULT = "not_a_fault"
 
 Tags = Mapping[str, str]
 
@@ -53,10 +68,13 @@ def _kind(
 
 
 # Matched against the exception's type and value, the title and the message. Most specific
-# first: a CUDA error that names its XID is that XID, not a generic crash.
+# first: a CUDA error that names its XID is that XID, not a generic crash. Every quantifier is
+# bounded and none is nested (tests/test_sentry.py checks both): linear time. The NaN row holds
+# the messages of the major training frameworks; tests/fixtures/sentry/SOURCES.md says where
+# each comes from.
 KINDS = (
     _kind(
-        r"\bxid\b(?:\s*\([^)]*\))?(?:\s*error)?\s*[:#=]?\s*(\d{1,4})\b",
+        r"\bxid\b(?:\s{0,8}\([^)]{0,64}\))?(?:\s{0,8}error)?\s{0,8}[:#=]?\s{0,8}(\d{1,4})\b",
         EventKind.XID,
         "an NVIDIA XID with its number",
         lambda found, _tags: {"code": int(found[1])},
@@ -68,23 +86,73 @@ KINDS = (
         lambda _found, _tags: {"dbe": 1},
     ),
     _kind(
-        r"collective operation timeout|nccl.*(?:time ?out|timed out|timing out|watchdog)|DistBackendError",
+        r"collective operation timeout|DistBackendError"
+        r"|nccl.{0,300}?(?:time ?out|timed out|timing out|watchdog)",
         EventKind.NCCL_TIMEOUT,
         "the NCCL watchdog or a collective timing out",
     ),
     _kind(
+        # generic: "loss is nan", "loss = inf", "non-finite loss", "NaN loss" (NeMo: "Got NaN loss
+        # with non-empty input"), FloatingPointError (fairseq: "Minimum loss scale reached")
         r"\bloss\b\W{0,3}(?:is |was |became )?(?:nan|[+-]?inf(?:inite|inity)?|non-finite)\b"
-        r"|\bnan loss|non-finite loss|FloatingPointError",
+        r"|\bnan loss|non-finite loss|FloatingPointError"
+        # Megatron-LM: "found NaN in local grad norm ...", "found Inf in local forward loss ..."
+        r"|\bfound (?:nan|inf) in\b"
+        # torch.autograd anomaly detection: "Function 'MulBackward0' returned nan values in its 0th output."
+        r"|returned nan values in its \d{1,4}th output"
+        # Lightning: "The loss returned in `training_step` is nan." (or tensor(nan, ...))
+        r"|loss returned in .{1,40}? is (?:tensor\()?[+-]?(?:nan|inf)\b"
+        # Lightning EarlyStopping "Monitored metric val_loss = nan is not finite.", NeMo
+        # "ctc_loss is not finite", torch clip_grad_norm_ "... is non-finite, so it cannot be clipped"
+        r"|\bis (?:not finite|non-finite)\b"
+        # NeMo: "detected inf or nan values in gradients! Setting gradients to zero."
+        r"|\b(?:nan|inf)(?: or (?:nan|inf))? values in gradients"
+        # DeepSpeed: "Current loss scale already at minimum - cannot decrease scale anymore."
+        r"|loss scale already at minimum",
         EventKind.NAN_LOSS,
-        "a NaN or infinite loss",
+        "a NaN or infinite loss or gradient",
     ),
     _kind(
-        r"cuda error|illegal memory access|CUBLAS_STATUS|CUDNN_STATUS|cudaError",
+        # "CUDA error: out of memory" is an out-of-memory, the job's problem, not the GPU's.
+        r"cuda error(?!: out of memory)|illegal memory access|CUBLAS_STATUS|CUDNN_STATUS|cudaError",
         EventKind.JOB_CRASH,
         "another CUDA error",
         lambda _found, tags: {"exit_code": _integer(tags.get("exit_code"), -1)},
     ),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    """How `POST /v1/sentry` treats what is not a fault, and stale deliveries."""
+
+    window_s: int = DEFAULT_WINDOW_S  # Sentry-Hook-Timestamp must be this close to now; 0: unchecked
+    reject_unmatched: bool = False  # True: an exception of no fault kind is a 422 and a dead letter
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Options:
+        """MEDIC_SENTRY_REPLAY_WINDOW_SECONDS (default 300) and MEDIC_SENTRY_UNMATCHED (ignore, reject)."""
+        window = env.get(WINDOW_ENV, "").strip() or str(DEFAULT_WINDOW_S)
+        if not window.isdigit():
+            raise ValueError(f"{WINDOW_ENV} must be a whole number of seconds (0: no check), got {window!r}")
+        unmatched = env.get(UNMATCHED_ENV, "").strip().lower() or "ignore"
+        if unmatched not in ("ignore", "reject"):
+            raise ValueError(f"{UNMATCHED_ENV} must be ignore or reject, got {unmatched!r}")
+        return cls(window_s=int(window), reject_unmatched=unmatched == "reject")
+
+
+def timestamp_problem(value: str | None, now: float, window_s: int) -> str | None:
+    """Why a delivery's Sentry-Hook-Timestamp is refused (missing, stale, from the future), or None."""
+    if window_s <= 0:
+        return None
+    if not value or not value.strip().isdigit():
+        return f"{TIMESTAMP_HEADER} missing or not Unix seconds: {(value or '')[:40]!r}"
+    skew = now - int(value.strip())
+    if skew > window_s:
+        return f"{TIMESTAMP_HEADER} is {skew:.0f} s old, outside the {window_s} s replay window"
+    if -skew > window_s:
+        return f"{TIMESTAMP_HEADER} is {-skew:.0f} s in the future, outside the {window_s} s replay window"
+    return None
 
 
 def secret_from_env(env: Mapping[str, str]) -> bytes | None:
@@ -105,13 +173,21 @@ def signature_ok(secret: bytes, body: bytes, signature: str | None) -> bool:
 class Translated:
     decoded: Decoded
     ignored: str | None = None  # why nothing was taken from an authentic webhook
+    reason: str | None = None  # NO_ERROR_EVENT or NOT_A_FAULT when ignored
 
 
-def translate(body: bytes, resource: str | None, remote: str) -> Translated:
+class _NotAFault(str):
+    """Why an error event is no GPU fault: its exception matches no row of KINDS."""
+
+
+def translate(
+    body: bytes, resource: str | None, remote: str, *, reject_unmatched: bool = False
+) -> Translated:
     """One Sentry webhook body to at most one fault event (or its rejection)."""
     field = EVENT_RESOURCES.get(resource or "")
     if field is None:
-        return Translated(Decoded(), f"resource {resource or '(none)'} carries no error event; nothing to do")
+        why = f"resource {resource or '(none)'} carries no error event; nothing to do"
+        return Translated(Decoded(), why, NO_ERROR_EVENT)
     origin, text = f"sentry:{remote}:{resource}", body.decode("utf-8", errors="replace")
     try:
         event = json.loads(text)["data"][field]
@@ -121,6 +197,8 @@ def translate(body: bytes, resource: str | None, remote: str) -> Translated:
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError, OSError) as error:
         # A signed body that is not shaped like Sentry's documented payload: say what broke.
         fault = f"not a Sentry {resource} webhook: {type(error).__name__}: {error}"
+    if isinstance(fault, _NotAFault) and not reject_unmatched:
+        return Translated(Decoded(), str(fault), NOT_A_FAULT)
     parsed = (
         parse_line(json.dumps(fault), origin) if isinstance(fault, dict) else Rejection(origin, "", fault)
     )
@@ -135,7 +213,12 @@ def translate(body: bytes, resource: str | None, remote: str) -> Translated:
 
 
 def _fault(event: Mapping[str, Any]) -> dict[str, Any] | str:
-    """The fault event for a Sentry error event, or why there is none."""
+    """The fault event for a Sentry error event, or why there is none (`_NotAFault`: no GPU fault)."""
+    text = _exception_text(event)[:MAX_MATCHED_CHARS]
+    match = next(((k, found) for k in KINDS if (found := k.pattern.search(text))), None)
+    if match is None:
+        kinds = "; ".join(k.meaning for k in KINDS)
+        return _NotAFault(f"no fault kind in {text[:200]!r}: it shows none of {kinds}")
     event_id = event.get("event_id")
     if not event_id:
         return "no event_id: the fault event's id is made from it"
@@ -143,11 +226,6 @@ def _fault(event: Mapping[str, Any]) -> dict[str, Any] | str:
     node = next((tags[t] for t in NODE_TAGS if tags.get(t)), None) or event.get("server_name")
     if not node:
         return f"no node: tag the job's Sentry events with one of {', '.join(NODE_TAGS)}"
-    text = _exception_text(event)
-    match = next(((k, found) for k in KINDS if (found := k.pattern.search(text))), None)
-    if match is None:
-        kinds = "; ".join(k.meaning for k in KINDS)
-        return f"no fault kind in {text[:200]!r}: it shows none of {kinds}"
     kind, found = match
     attributes: dict[str, Any] = {
         "message": text[:500],
