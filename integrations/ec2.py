@@ -13,6 +13,22 @@ find it too. An instance in no group is terminated and nothing replaces it. EC2 
 
 A failed AWS call leaves as the `AwsApiError` of its branch (aws_retry.py, aws_errors.py); botocore's
 own errors without an AWS answer (a read timeout: the reboot may have happened) stay unknown.
+
+Ownership: before a reboot or replacement the instance must be one nobody else holds (NodeHeldError, no
+request sent): state `running` (pending, stopping, stopped, shutting-down are someone else's doing), no
+`medic:holder` tag naming anyone but GPU Medic, InService and not already Unhealthy in its Auto Scaling
+group (Standby, Pending, Terminating, Detaching, warm pool... are someone else's), for a replacement not
+protected from scale-in, and, when a scheduler is given, not out of service there for a reason that is
+not GPU Medic's.
+
+Readiness (`wait_ready`) must see the instance go away and come back. EC2 keeps a rebooting instance
+`running` with the same LaunchTime, and no API reports a guest's boot time, so after a reboot the proof is
+seeing the instance leave readiness (a state other than running, a status check other than ok:
+initializing, impaired, insufficient-data, not-applicable) and return to running with both checks ok, or
+a LaunchTime later than the one recorded (a stop and start). A reboot that goes down and up between two
+polls, or inside one status-check period, is missed: NodeNotBackError at the timeout, the node stays out
+and a human looks (never a false "ready"). After a replacement the proof is the new instance: another
+instance id, running with both checks ok.
 """
 
 from __future__ import annotations
@@ -21,14 +37,16 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from botocore.client import BaseClient
 
 from integrations.aws_clients import aws_client, node_map
 from integrations.aws_retry import Retrier, RetryPolicy
-from integrations.polling import poll
+from integrations.polling import Comeback, NodeHeldError, NodeNotBackError, poll, scheduler_holder, wait_back
 from integrations.provider_errors import ActionRefusedError, AmbiguousNodeError, UnknownNodeError
+from medic.protocols import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +55,8 @@ LIVE_STATES = ["pending", "running", "stopping", "stopped"]
 GONE_STATES = {"shutting-down", "terminated"}
 # With any of these suspended, an instance marked Unhealthy is never replaced.
 REPLACING_PROCESSES = {"ReplaceUnhealthy", "Launch", "Terminate"}
+# A tag another tool (or person) sets to say the instance is theirs for now; GPU Medic's own start "medic".
+HOLDER_TAG = "medic:holder"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +64,15 @@ class PendingReplacement:
     group: str
     old_id: str
     members_before: frozenset[str]
+
+
+@dataclass(slots=True)
+class Requested:
+    """A reboot or replacement awaiting proof: the instance and its LaunchTime at the request."""
+
+    comeback: Comeback
+    instance_id: str
+    launch_time: datetime
 
 
 class Ec2Provider:
@@ -58,10 +87,12 @@ class Ec2Provider:
         poll_interval_s: float = 15.0,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        scheduler: Scheduler | None = None,
     ) -> None:
         """`instance_ids` maps node names to instance ids; None discovers them (see the module doc).
 
-        Without an `autoscaling` client every instance is treated as one in no group.
+        Without an `autoscaling` client every instance is treated as one in no group. With a `scheduler`
+        a node it shows out of service for someone else's reason is refused (NodeHeldError).
         """
         self.ec2 = ec2
         self.autoscaling = autoscaling
@@ -70,6 +101,8 @@ class Ec2Provider:
         self._ids: dict[str, str] = dict(instance_ids or {})
         self._named_by_tag: set[str] = set()
         self._pending: dict[str, PendingReplacement] = {}
+        self._requested: dict[str, Requested] = {}
+        self.scheduler = scheduler
         self._retrier = Retrier(retry or RetryPolicy(), sleep)
         self._poll_interval_s = poll_interval_s
         self._sleep = sleep
@@ -94,12 +127,14 @@ class Ec2Provider:
 
     def reboot(self, node: str) -> str:
         instance_id = self.instance_id(node)
+        self._ours_to_act_on(node, instance_id, "reboot")
         self._retrier.call(self.ec2.reboot_instances, InstanceIds=[instance_id])
         return f"EC2 accepted the reboot of {node} ({instance_id})"
 
     def replace(self, node: str) -> str:
         instance_id = self.instance_id(node)
-        group = self._group_of(instance_id)
+        membership = self._ours_to_act_on(node, instance_id, "replace")
+        group = membership["AutoScalingGroupName"] if membership else None
         if group is None:
             self._retrier.call(self.ec2.terminate_instances, InstanceIds=[instance_id])
             return (
@@ -130,18 +165,82 @@ class Ec2Provider:
         )
 
     def wait_ready(self, node: str, timeout_s: float) -> bool:
-        """True once the node's instance is running with both status checks ok; False after `timeout_s`
-        or at once if the instance is gone for good (terminated). A pending replacement is waited for
-        first."""
+        """After a reboot or replacement through this provider: True once the instance was seen to go away
+        and come back (module doc), running with both status checks ok; False at once if it is gone for
+        good (terminated, nothing replaces it); NodeNotBackError if that was not seen within `timeout_s`.
+        A pending replacement is waited for first. With nothing requested here there is nothing to prove:
+        True when the instance is ready now, False otherwise."""
         deadline = self._clock() + timeout_s
+        requested = self._requested.get(node)
         if node in self._pending and self.wait_replacement(node, timeout_s) is None:
-            return False
+            if requested is None:
+                return False
+            requested.comeback.last_seen = "no new InService, Healthy instance in its group"
+            raise NodeNotBackError(requested.comeback, timeout_s)
         instance_id = self.instance_id(node)
         remaining = max(0.0, deadline - self._clock())
-        ready = poll(
-            lambda: self._readiness(instance_id), remaining, self._poll_interval_s, self._sleep, self._clock
+        if requested is None:
+            ready = poll(
+                lambda: self._readiness(instance_id),
+                remaining,
+                self._poll_interval_s,
+                self._sleep,
+                self._clock,
+            )
+            return ready is True
+        back = wait_back(
+            requested.comeback,
+            lambda c: self._back(c, requested, instance_id),
+            remaining,
+            self._poll_interval_s,
+            self._sleep,
+            self._clock,
         )
-        return ready is True
+        if back:
+            del self._requested[node]
+        return back
+
+    # Ownership
+
+    def _ours_to_act_on(self, node: str, instance_id: str, action: str) -> dict[str, Any] | None:
+        """Refuse (NodeHeldError) an instance someone else holds; otherwise record it as the marker
+        `wait_ready` needs and return its Auto Scaling membership (None: in no group)."""
+        (instance,) = self._instances(InstanceIds=[instance_id])
+        state = instance["State"]["Name"]
+        if state != "running":
+            raise NodeHeldError(node, f"EC2: {instance_id} is {state}, not running", action)
+        tags = {t["Key"]: t["Value"] for t in instance.get("Tags", [])}
+        holder = tags.get(HOLDER_TAG, "").strip()
+        if holder and not holder.startswith("medic"):
+            raise NodeHeldError(node, f"{holder!r} (tag {HOLDER_TAG} on {instance_id})", action)
+        membership = self._membership(instance_id)
+        if membership is not None:
+            group = membership["AutoScalingGroupName"]
+            lifecycle = membership["LifecycleState"]
+            if lifecycle != "InService":
+                raise NodeHeldError(node, f"Auto Scaling group {group} (lifecycle state {lifecycle})", action)
+            if membership["HealthStatus"] != "Healthy":
+                raise NodeHeldError(
+                    node,
+                    f"Auto Scaling group {group}: already {membership['HealthStatus']}, being replaced",
+                    action,
+                )
+            if action == "replace" and membership.get("ProtectedFromScaleIn"):
+                raise NodeHeldError(
+                    node,
+                    f"Auto Scaling group {group}: protected from scale-in, so not to be terminated",
+                    action,
+                )
+        held = scheduler_holder(self.scheduler, node)
+        if held is not None:
+            raise NodeHeldError(node, held, action)
+        launched = instance["LaunchTime"]
+        self._requested[node] = Requested(
+            Comeback(node, action, f"{instance_id} running, launched {launched:%Y-%m-%d %H:%M:%S%z}"),
+            instance_id,
+            launched,
+        )
+        return membership
 
     # Replacement
 
@@ -181,19 +280,47 @@ class Ec2Provider:
         )
         return fresh[0] if fresh else None
 
-    def _group_of(self, instance_id: str) -> str | None:
+    def _membership(self, instance_id: str) -> dict[str, Any] | None:
         if self.autoscaling is None:
             return None
         found = self._retrier.call(
             self.autoscaling.describe_auto_scaling_instances, InstanceIds=[instance_id]
-        )
-        return (
-            found["AutoScalingInstances"][0]["AutoScalingGroupName"]
-            if found["AutoScalingInstances"]
-            else None
-        )
+        )["AutoScalingInstances"]
+        return dict(found[0]) if found else None
 
     # Readiness
+
+    def _back(self, comeback: Comeback, requested: Requested, instance_id: str) -> bool | None:
+        """True: proven back. False: gone for good. None: not yet (never left, or not back)."""
+        (instance,) = self._instances(InstanceIds=[instance_id])
+        state = instance["State"]["Name"]
+        launched = instance["LaunchTime"]
+        checks = self._checks(instance_id) if state == "running" else {}
+        comeback.last_seen = f"{instance_id} {state}, launched {launched:%Y-%m-%d %H:%M:%S%z}" + "".join(
+            f", {name} {status}" for name, status in checks.items()
+        )
+        if state in GONE_STATES:
+            return False
+        if instance_id != requested.instance_id or launched > requested.launch_time:
+            comeback.went_away = True  # another instance (replacement), or stopped and started again
+        ready = state == "running" and set(checks.values()) == {"ok"}
+        if not ready:
+            comeback.went_away = True
+            return None
+        return True if comeback.went_away else None
+
+    def _checks(self, instance_id: str) -> dict[str, str]:
+        """The instance's two status checks (ok, initializing, impaired, insufficient-data,
+        not-applicable); "none reported" when EC2 lists no status for it."""
+        statuses = self._retrier.call(
+            self.ec2.describe_instance_status, InstanceIds=[instance_id], IncludeAllInstances=True
+        )["InstanceStatuses"]
+        if not statuses:
+            return {"status checks": "none reported"}
+        return {
+            check: statuses[0].get(check, {}).get("Status", "none reported")
+            for check in ("InstanceStatus", "SystemStatus")
+        }
 
     def _readiness(self, instance_id: str) -> bool | None:
         """True: ready. False: gone for good. None: not yet."""

@@ -11,6 +11,18 @@ return one outcome per node, marked transient, permanent or unknown (aws_errors.
 `replace` raise the NodeActionError of that branch. Throttled calls are retried with backoff
 (aws_retry.py). HyperPod has no GPU reset API: `reset_gpu` reboots the node, which resets every GPU in
 it, and says so in its result.
+
+Ownership: before any request, one ListClusterNodes read gives each node's InstanceStatus. Only a node
+that is Running or in Failure is acted on; Pending, ShuttingDown, SystemUpdating,
+DeepHealthCheckInProgress (another operation, HyperPod's own or someone's, is acting on it), NotFound or
+any status this code does not know is refused with NodeHeldError and never sent; so is a node a given
+scheduler shows out of service for someone else's reason.
+
+Readiness: the request records the node's instance id, status and LaunchTime; `wait_ready` answers True
+only once DescribeClusterNode has shown the node leave Running (any other status, or not found) or come
+back as another instance or with a later LaunchTime, and then Running again. A reboot that HyperPod
+completes between two polls without a status change is missed: NodeNotBackError at the timeout, the node
+stays out and a human looks (never a false "ready").
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from botocore import xform_name
@@ -29,8 +42,9 @@ from botocore.exceptions import BotoCoreError, ClientError
 from integrations.aws_clients import aws_client, node_map
 from integrations.aws_errors import branch_of, node_action_error, transient
 from integrations.aws_retry import Retrier, RetryPolicy, error_code, is_throttling
-from integrations.polling import poll
+from integrations.polling import Comeback, NodeHeldError, poll, scheduler_holder, wait_back
 from integrations.provider_errors import InvalidNodeIdError, UnknownNodeError
+from medic.protocols import Scheduler
 
 log = logging.getLogger(__name__)
 # Why one node of a batch failed: AWS error code, message, and whether retrying may help.
@@ -39,6 +53,9 @@ _Failure = tuple[str, str, bool | None]
 CLUSTER_VAR = "MEDIC_HYPERPOD_CLUSTER"
 REBOOT = "BatchRebootClusterNodes"
 REPLACE = "BatchReplaceClusterNodes"
+# Statuses GPU Medic may act on; any other means another operation has the node, or it is not there.
+ACTIONABLE = frozenset({"Running", "Failure"})
+HELD = "NodeHeld"  # the code of a node refused before any request because someone else holds it
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +69,16 @@ class NodeOutcome:
     code: str | None = None  # the AWS error code when not ok
     # When not ok: True, trying again may help; False, it cannot; None, unknown (aws_errors.py).
     transient: bool | None = None
+    held_by: str | None = None  # refused before any request: who holds the node
+
+
+@dataclass(frozen=True, slots=True)
+class Requested:
+    """A reboot or replacement awaiting proof: the node's instance and LaunchTime at the request."""
+
+    comeback: Comeback
+    node_id: str
+    launch_time: datetime | None
 
 
 class HyperPodProvider:
@@ -65,8 +92,10 @@ class HyperPodProvider:
         poll_interval_s: float = 30.0,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        scheduler: Scheduler | None = None,
     ) -> None:
-        """`node_ids` maps node names to HyperPod node ids; None discovers them with ListClusterNodes."""
+        """`node_ids` maps node names to HyperPod node ids; None discovers them with ListClusterNodes.
+        With a `scheduler`, a node it shows out of service for someone else's reason is refused."""
         self.client = client
         model = client.meta.service_model
         # Patterns and the batch limit come from the service model botocore ships, so they follow AWS.
@@ -88,6 +117,8 @@ class HyperPodProvider:
         self._poll_interval_s = poll_interval_s
         self._sleep = sleep
         self._clock = clock
+        self.scheduler = scheduler
+        self._requested: dict[str, Requested] = {}
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> HyperPodProvider:
@@ -105,13 +136,16 @@ class HyperPodProvider:
         return f"HyperPod has no GPU reset API, so the node was rebooted to reset {which}: {done}"
 
     def reboot(self, node: str) -> str:
-        return _only(self.batch_reboot([node]), node)
+        return _only(self.batch_reboot([node]), node, "reboot")
 
     def replace(self, node: str) -> str:
-        return _only(self.batch_replace([node]), node)
+        return _only(self.batch_replace([node]), node, "replace")
 
     def wait_ready(self, node: str, timeout_s: float) -> bool:
-        """True once DescribeClusterNode reports the node Running; False after `timeout_s`.
+        """After a reboot or replacement through this provider: True once DescribeClusterNode has shown
+        the node go away and come back Running (module doc); NodeNotBackError if that was not seen within
+        `timeout_s`. With nothing requested here there is nothing to prove: True once it is Running,
+        False after `timeout_s`.
 
         After a replace the node has a new instance id. With discovery it is followed as long as the node's
         name survives the replacement (a NodeLogicalId does); with an explicit mapping it cannot be, and
@@ -122,6 +156,19 @@ class HyperPodProvider:
             return False
         if node not in self._retired:
             self.node_id(node)  # an unknown name fails now, not after the timeout
+        requested = self._requested.get(node)
+        if requested is not None:
+            back = wait_back(
+                requested.comeback,
+                lambda c: self._back(c, requested),
+                timeout_s,
+                self._poll_interval_s,
+                self._sleep,
+                self._clock,
+            )
+            if back:
+                del self._requested[node]
+            return back
         return bool(
             poll(
                 lambda: self._running(node) or None,
@@ -150,14 +197,37 @@ class HyperPodProvider:
         ids = {node: self.node_id(node) for node in nodes}
         for node_id in ids.values():
             self._check_id(node_id)
-        unique = list(dict.fromkeys(ids.values()))
+        action = "replace" if operation == REPLACE else "reboot"
+        listed = self._summaries()
+        # Two names of one node share its fate: held under either name, it is not sent.
+        held: dict[str, str | None] = {}
+        for node, node_id in ids.items():
+            held[node_id] = held.get(node_id) or self._holder(node, listed.get(node_id))
+        unlisted = ("NotListed", "ListClusterNodes does not list this node: nothing was sent", False)
+        errors: dict[str, _Failure | None] = {
+            node_id: unlisted for node_id in ids.values() if node_id not in listed
+        }
+        unique = [i for i in dict.fromkeys(ids.values()) if i in listed and held[i] is None]
         limit = self._limits[operation]
-        errors: dict[str, _Failure | None] = {}
         for start in range(0, len(unique), limit):
             errors.update(self._send(operation, unique[start : start + limit]))
         outcomes = {}
         for node, node_id in ids.items():
+            holder = held[node_id]
+            if holder is not None:
+                outcomes[node] = NodeOutcome(
+                    node=node,
+                    node_id=node_id,
+                    ok=False,
+                    code=HELD,
+                    detail=f"{node} is held by {holder}; GPU Medic does not {action} it (nothing was sent)",
+                    transient=False,
+                    held_by=holder,
+                )
+                continue
             error = errors[node_id]
+            if error is None:
+                self._requested[node] = self._marker(node, action, listed[node_id])
             outcomes[node] = NodeOutcome(
                 node=node,
                 node_id=node_id,
@@ -215,16 +285,66 @@ class HyperPodProvider:
         return node_id
 
     def _list_nodes(self) -> dict[str, str]:
-        ids: dict[str, str] = {}
+        return {name: node_id for node_id, summary in self._summaries().items() for name in _names(summary)}
+
+    def _summaries(self) -> dict[str, dict[str, Any]]:
+        """Every node of the cluster (all pages of ListClusterNodes) by instance id."""
+        summaries: dict[str, dict[str, Any]] = {}
         request: dict[str, Any] = {"ClusterName": self.cluster_name, "IncludeNodeLogicalIds": True}
         while True:
             page = self._retrier.call(self.client.list_cluster_nodes, **request)
             for summary in page["ClusterNodeSummaries"]:
-                for name in _names(summary):
-                    ids[name] = summary["InstanceId"]
+                summaries[summary["InstanceId"]] = summary
             if not page.get("NextToken"):
-                return ids
+                return summaries
             request["NextToken"] = page["NextToken"]
+
+    # Ownership and readiness
+
+    def _holder(self, node: str, summary: Mapping[str, Any] | None) -> str | None:
+        """Who holds the node if not GPU Medic (None: ours to act on; an unlisted node is refused apart)."""
+        if summary is None:
+            return None
+        status = summary.get("InstanceStatus", {}).get("Status")
+        if status not in ACTIONABLE:
+            return f"HyperPod (status {status}: another operation has the node, or it is not there)"
+        return scheduler_holder(self.scheduler, node)
+
+    def _marker(self, node: str, action: str, summary: Mapping[str, Any]) -> Requested:
+        return Requested(
+            Comeback(node, action, _describe_summary(summary)),
+            summary["InstanceId"],
+            summary.get("LaunchTime"),
+        )
+
+    def _back(self, comeback: Comeback, requested: Requested) -> bool | None:
+        """True: seen away and Running again. None: not yet (never left, or not back)."""
+        node_id = self._lookup(comeback.node)
+        if node_id is None:
+            comeback.last_seen = "its new instance is not listed yet"
+            return None
+        try:
+            details = self._retrier.call(
+                self.client.describe_cluster_node, ClusterName=self.cluster_name, NodeId=node_id
+            )["NodeDetails"]
+        except ClientError as error:
+            if error_code(error) != "ResourceNotFound":
+                raise
+            self._ids.pop(comeback.node, None)  # gone (replaced or removed): look it up afresh next time
+            comeback.went_away = True
+            comeback.last_seen = f"{node_id} not found"
+            return None
+        details = {"InstanceId": node_id, **details}
+        comeback.last_seen = _describe_summary(details)
+        launched = details.get("LaunchTime")
+        if node_id != requested.node_id or (
+            launched is not None and requested.launch_time is not None and launched > requested.launch_time
+        ):
+            comeback.went_away = True  # another instance, or the same one launched again
+        if details.get("InstanceStatus", {}).get("Status") != "Running":
+            comeback.went_away = True
+            return None
+        return True if comeback.went_away else None
 
     def _running(self, node: str) -> bool:
         node_id = self._lookup(node)
@@ -248,6 +368,14 @@ class HyperPodProvider:
             raise InvalidNodeIdError(f"{node_id!r} is not a HyperPod node id (i- and 8 or 17 hex digits)")
 
 
+def _describe_summary(summary: Mapping[str, Any]) -> str:
+    status = summary.get("InstanceStatus", {})
+    message = f" ({status['Message']})" if status.get("Message") else ""
+    launched = summary.get("LaunchTime")
+    when = f", launched {launched:%Y-%m-%d %H:%M:%S%z}" if launched else ""
+    return f"{summary['InstanceId']} {status.get('Status', 'no status')}{message}{when}"
+
+
 def _names(summary: Mapping[str, Any]) -> list[str]:
     names = [summary["InstanceId"]]
     if summary.get("NodeLogicalId"):
@@ -257,8 +385,10 @@ def _names(summary: Mapping[str, Any]) -> list[str]:
     return names
 
 
-def _only(outcomes: Mapping[str, NodeOutcome], node: str) -> str:
+def _only(outcomes: Mapping[str, NodeOutcome], node: str, action: str) -> str:
     outcome = outcomes[node]
+    if outcome.held_by is not None:
+        raise NodeHeldError(node, outcome.held_by, action)
     if not outcome.ok:
         raise node_action_error(node, outcome.code or "Unknown", outcome.detail, outcome.transient)
     return outcome.detail

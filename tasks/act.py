@@ -11,7 +11,7 @@ from medic.statuses import ACT_DONE_STATUSES, ActionStatus, ActStatus, StepStatu
 from medic.store.tables import ActionRecord
 from tasks import prefect_events
 from tasks.guard import guarded
-from tasks.node_ops import ensure_drained, resume_node
+from tasks.node_ops import ensure_drained, held_by_others, resume_node
 from tasks.retry import transient_only
 from tasks.runtime import Runtime, current
 from tasks.stage import stage
@@ -42,6 +42,9 @@ def _destructive(rt: Runtime, incident_id: str, node: str, gpu: int | None, deci
     row = rt.store.get_action(key)
     if row is not None and row.status != ActionStatus.FAILED:  # a failed call is tried again below
         return _claimed_before(action, node, row)
+    holder = held_by_others(rt, node)
+    if holder:
+        return ActOutcome(action=action, status=ActStatus.ESCALATED, detail=f"{holder}; not touched")
     with guarded(rt, node, decision) as stopped:
         if stopped:
             return _stopped(action, stopped)

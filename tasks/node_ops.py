@@ -12,6 +12,17 @@ def drain_reason(incident_id: str, why: str) -> str:
     return f"medic: {why} incident {incident_id}"
 
 
+def held_by_others(rt: Runtime, node: str) -> str | None:
+    """Who else holds the node out of service (an admin, a health check, another tool), or None.
+
+    Such a node is never rebooted, replaced or reset by us: whoever took it out may be working on
+    it, and a node Slurm marked down without answering needs someone at its console."""
+    info = rt.backends.scheduler.node(node)
+    if info.drained_by_medic or info.state not in (NodeState.DRAINED, NodeState.DOWN):
+        return None
+    return f"{node} is {info.state.value} by others ({info.reason or 'no reason given'})"
+
+
 def ensure_drained(rt: Runtime, incident_id: str, node: str, why: str) -> str:
     """Drain the node for this incident unless it is already out of service. Returns what happened."""
     info = rt.backends.scheduler.node(node)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import task
 from pydantic import BaseModel
 
+from medic.errors import PermanentError
 from medic.statuses import StepStatus
 from tasks.evidence import record_diagnostic
 from tasks.node_ops import resume_node
@@ -24,8 +25,13 @@ class VerifyOutcome(BaseModel):
 def verify(incident_id: str, node: str, level: int, ready_timeout_s: float = 1800) -> VerifyOutcome:
     rt = current()
     with stage(rt.store, incident_id, f"verify L{level}") as log:
-        if not rt.backends.provider.wait_ready(node, ready_timeout_s):
-            outcome = VerifyOutcome(passed=False, detail=f"{node} did not come back; kept out of service")
+        try:
+            back = rt.backends.provider.wait_ready(node, ready_timeout_s)
+            gone = f"{node} did not come back"
+        except PermanentError as error:  # e.g. never seen going down: the action is unconfirmed
+            back, gone = False, str(error)
+        if not back:
+            outcome = VerifyOutcome(passed=False, detail=f"{gone}; kept out of service")
         else:
             result = rt.backends.diagnostics.run(node, level, timeout_s=600)
             record_diagnostic(rt, incident_id, result, note="verification: ")

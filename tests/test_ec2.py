@@ -6,6 +6,11 @@ only records Unhealthy: moto's Auto Scaling never acts on it, whereas AWS termin
 launches a replacement. moto does launch a replacement when an Auto Scaling instance is terminated, so
 the ASG test performs that one step of AWS's itself and lets moto do the rest. moto ignores wildcards in
 the private-dns-name filter, so short hostnames (ip-10-1-2-3) are not exercised here.
+
+moto's RebootInstances changes nothing observable (running, both checks ok, same LaunchTime): exactly the
+"it never left" case `wait_ready` must not take for ready. Where a test needs the instance to go away and
+come back, it plays AWS's part between two polls with a stop and a start, the one way moto shows an
+instance leaving readiness (AWS itself shows a rebooting instance failing its status checks).
 """
 
 from __future__ import annotations
@@ -16,17 +21,20 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
 from botocore.client import BaseClient
+from fake_time import FakeTime
 
-from integrations.ec2 import Ec2Provider
+from integrations.ec2 import HOLDER_TAG, Ec2Provider
+from integrations.polling import NodeHeldError, NodeNotBackError
 from integrations.provider_errors import ProviderError, UnknownNodeError
-from medic.protocols import NodeProvider
+from medic.errors import PermanentError, is_transient
+from medic.protocols import NodeInfo, NodeProvider, NodeState
 
 REGION = "us-east-1"
 AMI = "ami-12345678"
@@ -119,14 +127,84 @@ def state(ec2: BaseClient, instance_id: str) -> str:
     return reservations[0]["Instances"][0]["State"]["Name"]
 
 
+class AwsPart:
+    """A fake clock whose sleeps also play AWS's part: after sleep n, step n runs (if there is one)."""
+
+    def __init__(self, steps: dict[int, Callable[[], object]] | None = None) -> None:
+        self.time = FakeTime()
+        self.steps = steps or {}
+
+    def sleep(self, seconds: float) -> None:
+        self.time.sleep(seconds)
+        step = self.steps.get(len(self.time.sleeps))
+        if step is not None:
+            step()
+
+
+def scripted(
+    ec2: BaseClient,
+    autoscaling: BaseClient | None,
+    part: AwsPart,
+    ids: dict[str, str] | None = None,
+    **kw: Any,
+) -> Ec2Provider:
+    return Ec2Provider(
+        ec2, autoscaling, ids, poll_interval_s=15.0, sleep=part.sleep, clock=part.time.clock, **kw
+    )
+
+
+def down_and_up(ec2: BaseClient, instance_id: str, after: int) -> dict[int, Callable[[], object]]:
+    """AWS's part of a reboot, as moto can show it: away after sleep `after`, back one sleep later."""
+    return {
+        after: lambda: ec2.stop_instances(InstanceIds=[instance_id]),
+        after + 1: lambda: ec2.start_instances(InstanceIds=[instance_id]),
+    }
+
+
 def test_reboot_finds_the_node_by_name_tag(ec2: BaseClient, autoscaling: BaseClient) -> None:
     _, b = launch(ec2, "gpu-a", "gpu-b")
     reboots = record_calls(ec2, "RebootInstances")
-    medic = provider(ec2, autoscaling)
+    part = AwsPart(down_and_up(ec2, b, after=1))
+    medic = scripted(ec2, autoscaling, part)
     assert isinstance(medic, NodeProvider)
     assert medic.reboot("gpu-b") == f"EC2 accepted the reboot of gpu-b ({b})"
     assert reboots == [{"InstanceIds": [b]}]
-    assert medic.wait_ready("gpu-b", timeout_s=5)
+    assert medic.wait_ready("gpu-b", timeout_s=600)
+
+
+def test_still_running_right_after_a_reboot_is_not_ready(ec2: BaseClient) -> None:
+    (a,) = launch(ec2, "gpu-a")
+    # Polls 1-3 see it running with both checks ok, as EC2 does right after the request: it never left.
+    part = AwsPart(down_and_up(ec2, a, after=3))
+    medic = scripted(ec2, None, part)
+    medic.reboot("gpu-a")
+    assert medic.wait_ready("gpu-a", timeout_s=600)
+    assert part.time.sleeps == [15.0] * 4  # ready only at the fifth poll, once it was seen away and back
+    # Nothing further requested: no proof owed, and no second wait for the same reboot.
+    assert medic.wait_ready("gpu-a", timeout_s=0)
+
+
+def test_a_reboot_never_seen_going_down_times_out_as_a_permanent_error(ec2: BaseClient) -> None:
+    (a,) = launch(ec2, "gpu-a")
+    part = AwsPart()
+    medic = scripted(ec2, None, part)
+    medic.reboot("gpu-a")
+    with pytest.raises(NodeNotBackError, match="never seen to go down") as raised:
+        medic.wait_ready("gpu-a", timeout_s=600)
+    error = raised.value
+    assert isinstance(error, PermanentError) and not is_transient(error)  # escalates, never retried
+    assert (error.node, error.action, error.waited_s) == ("gpu-a", "reboot", 600)
+    assert a in error.before and "InstanceStatus ok" in error.last_seen
+    assert str(error).startswith("gpu-a: not confirmed back 600 s after the reboot")
+
+
+def test_a_node_that_goes_down_and_stays_down_times_out(ec2: BaseClient) -> None:
+    (a,) = launch(ec2, "gpu-a")
+    part = AwsPart({1: lambda: ec2.stop_instances(InstanceIds=[a])})
+    medic = scripted(ec2, None, part)
+    medic.reboot("gpu-a")
+    with pytest.raises(NodeNotBackError, match=r"went away but was not seen back.*stopped"):
+        medic.wait_ready("gpu-a", timeout_s=120)
 
 
 def test_reset_gpu_reboots_and_says_so(ec2: BaseClient) -> None:
@@ -202,13 +280,20 @@ def test_asg_instance_is_marked_unhealthy_and_its_replacement_followed(
     assert health(autoscaling, old) == "Unhealthy"
     assert health(autoscaling, ids["gpu-b"]) == "Healthy"
     # The unhealthy old instance is still InService: it must not pass for the node being back.
-    assert not medic.wait_ready("gpu-a", timeout_s=0.2)
+    with pytest.raises(NodeNotBackError, match=r"gpu-a: not confirmed back .* after the replace"):
+        medic.wait_ready("gpu-a", timeout_s=0.2)
 
     ec2.terminate_instances(InstanceIds=[old])  # AWS's part, which moto leaves out; moto then relaunches
 
     assert medic.wait_ready("gpu-a", timeout_s=5)
     new = medic.instance_id("gpu-a")
     assert new not in ids.values()
+    launched = {
+        i["InstanceId"]: i["LaunchTime"]
+        for r in ec2.describe_instances(InstanceIds=[old, new])["Reservations"]
+        for i in r["Instances"]
+    }
+    assert launched[new] >= launched[old]
     assert medic.instance_id("gpu-b") == ids["gpu-b"]
     # The replacement carries the node's name, so another process finds it too.
     assert provider(ec2, autoscaling).instance_id("gpu-a") == new
@@ -241,3 +326,63 @@ def test_from_env_uses_the_standard_credential_chain(
     medic = Ec2Provider.from_env(os.environ)
     assert medic.autoscaling is not None
     assert a in medic.reboot("gpu-7")
+
+
+class Drained:
+    """A scheduler that shows every node drained with one reason (only `node` is consulted)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def node(self, name: str) -> NodeInfo:
+        return NodeInfo(name=name, state=NodeState.DRAINED, reason=self.reason)
+
+
+def test_an_instance_held_by_someone_else_is_never_touched(ec2: BaseClient, autoscaling: BaseClient) -> None:
+    ids = make_group(ec2, autoscaling, ("gpu-a", "gpu-b", "gpu-c", "gpu-d"))
+    (e,) = launch(ec2, "gpu-e")
+    ec2.create_tags(Resources=[ids["gpu-a"]], Tags=[{"Key": HOLDER_TAG, "Value": "capacity-team"}])
+    autoscaling.enter_standby(
+        InstanceIds=[ids["gpu-b"]], AutoScalingGroupName="gpus", ShouldDecrementDesiredCapacity=True
+    )
+    autoscaling.set_instance_protection(
+        InstanceIds=[ids["gpu-c"]], AutoScalingGroupName="gpus", ProtectedFromScaleIn=True
+    )
+    ec2.stop_instances(InstanceIds=[e])
+    sent = [
+        *record_calls(ec2, "RebootInstances"),
+        *record_calls(ec2, "TerminateInstances"),
+        *record_calls(autoscaling, "SetInstanceHealth"),
+    ]
+    medic = provider(ec2, autoscaling)
+    refusals = {
+        ("gpu-a", "reboot"): "'capacity-team' \\(tag medic:holder",
+        ("gpu-a", "replace"): "capacity-team",
+        ("gpu-b", "reboot"): "lifecycle state Standby",
+        ("gpu-b", "replace"): "lifecycle state Standby",
+        ("gpu-c", "replace"): "protected from scale-in",
+        ("gpu-e", "reboot"): "is stopped, not running",
+        ("gpu-e", "replace"): "is stopped, not running",
+    }
+    for (node, action), holder in refusals.items():
+        with pytest.raises(NodeHeldError, match=f"{node} is held by .*{holder}.*does not {action} it"):
+            getattr(medic, action)(node)
+    assert sent == []
+    # Scale-in protection guards against termination, not a reboot.
+    assert "accepted the reboot" in medic.reboot("gpu-c")
+    # Its own holder tag does not stop GPU Medic.
+    ec2.create_tags(Resources=[ids["gpu-d"]], Tags=[{"Key": HOLDER_TAG, "Value": "medic: incident 7"}])
+    assert "accepted the reboot" in medic.reboot("gpu-d")
+    assert health(autoscaling, ids["gpu-a"]) == "Healthy" and state(ec2, e) == "stopped"
+
+
+def test_a_node_drained_in_the_scheduler_by_someone_else_is_refused(ec2: BaseClient) -> None:
+    launch(ec2, "gpu-a")
+    reboots = record_calls(ec2, "RebootInstances")
+    admin = Ec2Provider(ec2, None, scheduler=Drained("admin: bad fan"))
+    with pytest.raises(NodeHeldError, match=r"held by the scheduler \(drained, reason: admin: bad fan\)"):
+        admin.reboot("gpu-a")
+    assert reboots == []
+    ours = Ec2Provider(ec2, None, scheduler=Drained("medic: reboot incident 9"))
+    assert "accepted the reboot" in ours.reboot("gpu-a")
+    assert len(reboots) == 1

@@ -18,6 +18,7 @@ from flows.dispatch import Dispatch, remediate_all
 from flows.remediate import remediate
 from integrations.sim.fleet import SimFleet
 from integrations.sim.notifier import RecordingNotifier
+from medic.errors import PermanentError
 from medic.intake import Intake, read_lines
 from medic.protocols import Message, NodeState
 from tasks.runtime import Runtime
@@ -290,3 +291,32 @@ def test_medic_events_reach_prefects_feed(runtime: Runtime, training: SimFleet) 
     assert wanted <= seen
     related = {r.id for e in page.events for r in e.related}
     assert {"medic.node.gpu-node-1", "medic.job.llm"} <= related
+
+
+def test_a_node_someone_else_drained_is_never_rebooted(runtime: Runtime, training: SimFleet) -> None:
+    admin = "RMA ticket 4711: HBM errors, do not touch"
+    runtime.backends.scheduler.drain("gpu-node-1", admin)
+    (outcome,) = run(runtime, [line(1, "xid", "gpu-node-1", job="llm", attributes={"code": 79})]).outcomes
+    assert outcome.act == "escalated"
+    assert "reboot" not in node_calls(training, "gpu-node-1")
+    record = runtime.store.get_incident(outcome.incident)
+    assert record is not None and record.status == "escalated"
+    node = runtime.backends.scheduler.node("gpu-node-1")
+    assert (node.state, node.reason) == (NodeState.DRAINED, admin)
+
+
+def test_a_reboot_never_seen_to_happen_escalates_with_the_node_held(
+    runtime: Runtime, training: SimFleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def never_went_down(node: str, timeout_s: float) -> bool:
+        raise PermanentError(f"{node} was never seen to go down after the reboot")
+
+    monkeypatch.setattr(runtime.backends.provider, "wait_ready", never_went_down)
+    (outcome,) = run(runtime, [line(1, "xid", "gpu-node-1", job="llm", attributes={"code": 79})]).outcomes
+    assert outcome.act == "done" and outcome.verified is not None and not outcome.verified.passed
+    assert "never seen to go down" in outcome.verified.detail
+    record = runtime.store.get_incident(outcome.incident)
+    assert record is not None and record.status == "escalated"
+    # Still out of service, as the reboot left it: nothing resumed it.
+    assert training.nodes["gpu-node-1"].state is NodeState.REBOOTING
+    assert "resume" not in node_calls(training, "gpu-node-1")

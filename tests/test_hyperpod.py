@@ -18,9 +18,16 @@ from botocore.stub import Stubber
 from fake_time import FakeTime
 
 from integrations.aws_retry import RetryPolicy
-from integrations.hyperpod import HyperPodProvider
-from integrations.provider_errors import InvalidNodeIdError, NodeActionError, UnknownNodeError
-from medic.protocols import NodeProvider
+from integrations.hyperpod import HELD, HyperPodProvider
+from integrations.polling import NodeHeldError, NodeNotBackError
+from integrations.provider_errors import (
+    InvalidNodeIdError,
+    NodeActionError,
+    PermanentNodeActionError,
+    UnknownNodeError,
+)
+from medic.errors import PermanentError, is_transient
+from medic.protocols import NodeInfo, NodeProvider, NodeState
 
 CLUSTER = "train-p5"
 
@@ -82,13 +89,18 @@ def expect_throttled(stub: Stubber, op: str, ids: list[str]) -> None:
     )
 
 
-def summary(instance_id: str, ip: str, logical: str | None = None) -> dict[str, object]:
+LAUNCHED = datetime(2026, 11, 1, tzinfo=UTC)
+
+
+def summary(
+    instance_id: str, ip: str, logical: str | None = None, status: str = "Running"
+) -> dict[str, object]:
     node: dict[str, object] = {
         "InstanceGroupName": "workers",
         "InstanceId": instance_id,
         "InstanceType": "ml.p5.48xlarge",
-        "LaunchTime": datetime(2026, 11, 1, tzinfo=UTC),
-        "InstanceStatus": {"Status": "Running"},
+        "LaunchTime": LAUNCHED,
+        "InstanceStatus": {"Status": status},
         "PrivateDnsHostname": f"ip-{ip.replace('.', '-')}.ec2.internal",
     }
     if logical:
@@ -107,17 +119,26 @@ def expect_listing(stub: Stubber, pages: list[list[dict[str, object]]]) -> None:
         stub.add_response("list_cluster_nodes", response, params)
 
 
-def expect_status(stub: Stubber, instance_id: str, status: str) -> None:
+def expect_listed(stub: Stubber, ids: list[str], status: str = "Running") -> None:
+    """The ListClusterNodes read a reboot or replacement makes first, to see who holds each node."""
+    expect_listing(
+        stub, [[summary(i, f"10.1.{n // 250}.{n % 250}", status=status) for n, i in enumerate(ids)]]
+    )
+
+
+def expect_status(stub: Stubber, instance_id: str, status: str, launched: datetime | None = None) -> None:
+    details: dict[str, object] = {"InstanceId": instance_id, "InstanceStatus": {"Status": status}}
+    if launched is not None:
+        details["LaunchTime"] = launched
     stub.add_response(
-        "describe_cluster_node",
-        {"NodeDetails": {"InstanceId": instance_id, "InstanceStatus": {"Status": status}}},
-        {"ClusterName": CLUSTER, "NodeId": instance_id},
+        "describe_cluster_node", {"NodeDetails": details}, {"ClusterName": CLUSTER, "NodeId": instance_id}
     )
 
 
 def test_reboot_one_node(client: BaseClient, stub: Stubber, fake_time: FakeTime) -> None:
     hp = provider(client, fake_time, {"gpu-1": iid(1)})
     assert isinstance(hp, NodeProvider)
+    expect_listed(stub, [iid(1)])
     expect_batch(stub, "batch_reboot_cluster_nodes", [iid(1)])
     assert hp.reboot("gpu-1") == f"HyperPod accepted the reboot of gpu-1 ({iid(1)})"
     assert fake_time.sleeps == []
@@ -127,6 +148,7 @@ def test_sixty_nodes_go_in_chunks_of_25(client: BaseClient, stub: Stubber, fake_
     ids = {f"gpu-{n:02d}": iid(n) for n in range(60)}
     hp = provider(client, fake_time, ids)
     all_ids = list(ids.values())
+    expect_listed(stub, all_ids)
     for chunk in (all_ids[:25], all_ids[25:50], all_ids[50:]):
         expect_batch(stub, "batch_replace_cluster_nodes", chunk)
     outcomes = hp.batch_replace(ids)
@@ -140,6 +162,7 @@ def test_partial_failure_is_reported_per_node_and_not_retried(
 ) -> None:
     hp = provider(client, fake_time, {"a": iid(1), "b": iid(2), "c": iid(3)})
     failure = {"NodeId": iid(2), "ErrorCode": "InvalidInstanceStatus", "Message": "node is pending"}
+    expect_listed(stub, [iid(1), iid(2), iid(3)])
     expect_batch(stub, "batch_reboot_cluster_nodes", [iid(1), iid(2), iid(3)], failed=[failure])
     outcomes = hp.batch_reboot(["a", "b", "c"])
     assert [outcomes[n].ok for n in "abc"] == [True, False, True]
@@ -147,6 +170,7 @@ def test_partial_failure_is_reported_per_node_and_not_retried(
     assert outcomes["b"].detail == "node is pending"
     # One call only (the Stubber would fail on a second): neither the failed node nor the others re-sent.
 
+    expect_listed(stub, [iid(2)])
     expect_batch(stub, "batch_reboot_cluster_nodes", [iid(2)], failed=[failure])
     with pytest.raises(NodeActionError) as raised:
         hp.reboot("b")
@@ -157,6 +181,7 @@ def test_throttling_is_retried_with_growing_jittered_backoff(
     client: BaseClient, stub: Stubber, fake_time: FakeTime
 ) -> None:
     hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    expect_listed(stub, [iid(1)])
     expect_throttled(stub, "batch_reboot_cluster_nodes", [iid(1)])
     expect_throttled(stub, "batch_reboot_cluster_nodes", [iid(1)])
     expect_batch(stub, "batch_reboot_cluster_nodes", [iid(1)])
@@ -170,6 +195,7 @@ def test_throttling_forever_gives_up_after_the_attempt_bound(
     client: BaseClient, stub: Stubber, fake_time: FakeTime
 ) -> None:
     hp = provider(client, fake_time, {"gpu-1": iid(1)}, attempts=3)
+    expect_listed(stub, [iid(1)])
     for _ in range(3):
         expect_throttled(stub, "batch_replace_cluster_nodes", [iid(1)])
     with pytest.raises(NodeActionError) as raised:
@@ -183,6 +209,7 @@ def test_a_throttled_chunk_fails_alone(client: BaseClient, stub: Stubber, fake_t
     ids = {f"gpu-{n:02d}": iid(n) for n in range(30)}
     hp = provider(client, fake_time, ids, attempts=1)
     all_ids = list(ids.values())
+    expect_listed(stub, all_ids)
     expect_batch(stub, "batch_reboot_cluster_nodes", all_ids[:25])
     expect_throttled(stub, "batch_reboot_cluster_nodes", all_ids[25:])
     outcomes = hp.batch_reboot(ids)
@@ -228,6 +255,7 @@ def test_names_are_discovered_across_pages(client: BaseClient, stub: Stubber, fa
     assert hp.node_id("ip-10-1-0-1.ec2.internal") == iid(1)
     assert hp.node_id("workers-2") == iid(2)
     assert hp.node_id(iid(2)) == iid(2)
+    expect_listing(stub, [[summary(iid(3), "10.1.0.3")]])
     expect_batch(stub, "batch_reboot_cluster_nodes", [iid(3)])
     assert iid(3) in hp.reboot("ip-10-1-0-3")
 
@@ -258,21 +286,24 @@ def test_wait_ready_follows_a_replacement_by_logical_id(
 ) -> None:
     expect_listing(stub, [[summary(iid(1), "10.1.0.1", logical="workers-1")]])
     hp = provider(client, fake_time, None)
+    expect_listing(stub, [[summary(iid(1), "10.1.0.1", logical="workers-1")]])
     expect_batch(stub, "batch_replace_cluster_nodes", [iid(1)])
     hp.replace("workers-1")
     # The listing still shows the old instance at first: it must not count as the node being back.
     expect_listing(stub, [[summary(iid(1), "10.1.0.1", logical="workers-1")]])
     expect_listing(stub, [[summary(iid(7), "10.1.0.7", logical="workers-1")]])
-    expect_status(stub, iid(7), "Pending")
+    # The new instance is the proof the node went away: Running is enough from there.
     expect_status(stub, iid(7), "Running")
     assert hp.wait_ready("workers-1", timeout_s=600)
     assert hp.node_id("workers-1") == iid(7)
+    assert fake_time.sleeps == [10.0]
 
 
 def test_an_explicit_map_cannot_follow_a_replacement(
     client: BaseClient, stub: Stubber, fake_time: FakeTime
 ) -> None:
     hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    expect_listed(stub, [iid(1)])
     expect_batch(stub, "batch_replace_cluster_nodes", [iid(1)])
     hp.replace("gpu-1")
     assert not hp.wait_ready("gpu-1", timeout_s=600)  # at once, and with no API call
@@ -281,6 +312,7 @@ def test_an_explicit_map_cannot_follow_a_replacement(
 
 def test_reset_gpu_reboots_and_says_so(client: BaseClient, stub: Stubber, fake_time: FakeTime) -> None:
     hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    expect_listed(stub, [iid(1)])
     expect_batch(stub, "batch_reboot_cluster_nodes", [iid(1)])
     done = hp.reset_gpu("gpu-1", 3)
     assert done.startswith("HyperPod has no GPU reset API, so the node was rebooted")
@@ -297,3 +329,116 @@ def test_from_env(tmp_path: Path) -> None:
     assert hp.node_id("gpu-1") == iid(1)
     with pytest.raises(ValueError, match="MEDIC_HYPERPOD_CLUSTER"):
         HyperPodProvider.from_env({"AWS_REGION": "us-west-2"})
+
+
+def test_still_running_right_after_a_reboot_is_not_ready(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime
+) -> None:
+    hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    expect_listed(stub, [iid(1)])
+    expect_batch(stub, "batch_reboot_cluster_nodes", [iid(1)])
+    hp.reboot("gpu-1")
+    # HyperPod still says Running at first: the node has not left yet.
+    for status in ("Running", "Running", "Pending", "Running"):
+        expect_status(stub, iid(1), status, LAUNCHED)
+    assert hp.wait_ready("gpu-1", timeout_s=600)
+    assert fake_time.sleeps == [10.0, 10.0, 10.0]
+
+
+def test_a_later_launch_time_is_proof_too(client: BaseClient, stub: Stubber, fake_time: FakeTime) -> None:
+    hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    expect_listed(stub, [iid(1)])
+    expect_batch(stub, "batch_reboot_cluster_nodes", [iid(1)])
+    hp.reboot("gpu-1")
+    expect_status(stub, iid(1), "Running", LAUNCHED)
+    expect_status(stub, iid(1), "Running", datetime(2026, 11, 2, tzinfo=UTC))
+    assert hp.wait_ready("gpu-1", timeout_s=600)
+
+
+def test_a_reboot_never_seen_leaving_running_times_out_as_a_permanent_error(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime
+) -> None:
+    hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    expect_listed(stub, [iid(1)])
+    expect_batch(stub, "batch_reboot_cluster_nodes", [iid(1)])
+    hp.reboot("gpu-1")
+    for _ in range(4):  # at t = 0, 10, 20, 25
+        expect_status(stub, iid(1), "Running", LAUNCHED)
+    with pytest.raises(NodeNotBackError, match="never seen to go down") as raised:
+        hp.wait_ready("gpu-1", timeout_s=25)
+    error = raised.value
+    assert isinstance(error, PermanentError) and not is_transient(error)
+    assert (error.node, error.action, error.waited_s) == ("gpu-1", "reboot", 25)
+    assert f"{iid(1)} Running" in error.before and f"{iid(1)} Running" in error.last_seen
+    assert fake_time.now == 25
+
+
+def test_a_node_that_goes_away_and_stays_away_times_out(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime
+) -> None:
+    hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    expect_listed(stub, [iid(1)])
+    expect_batch(stub, "batch_reboot_cluster_nodes", [iid(1)])
+    hp.reboot("gpu-1")
+    for status in ("ShuttingDown", "Pending", "Pending"):
+        expect_status(stub, iid(1), status, LAUNCHED)
+    with pytest.raises(NodeNotBackError, match=r"went away but was not seen back.*Pending"):
+        hp.wait_ready("gpu-1", timeout_s=20)
+
+
+@pytest.mark.parametrize("status", ["Pending", "ShuttingDown", "SystemUpdating", "DeepHealthCheckInProgress"])
+def test_a_node_another_operation_has_is_refused_without_a_call(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime, status: str
+) -> None:
+    hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    for action in ("reboot", "replace", "reset_gpu"):
+        expect_listed(stub, [iid(1)], status=status)
+        call = getattr(hp, action)
+        with pytest.raises(NodeHeldError, match=f"gpu-1 is held by HyperPod \\(status {status}"):
+            call("gpu-1", 0) if action == "reset_gpu" else call("gpu-1")
+    # No batch call was queued: the Stubber fails any that is made, and the fixture checks none is left.
+
+
+def test_a_batch_sends_only_the_nodes_nobody_else_holds(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime
+) -> None:
+    hp = provider(client, fake_time, {"a": iid(1), "b": iid(2), "c": iid(3)})
+    expect_listing(
+        stub,
+        [[summary(iid(1), "10.1.0.1"), summary(iid(2), "10.1.0.2", status="SystemUpdating")]],
+    )
+    expect_batch(stub, "batch_reboot_cluster_nodes", [iid(1)])
+    outcomes = hp.batch_reboot(["a", "b", "c"])
+    assert outcomes["a"].ok
+    assert (outcomes["b"].ok, outcomes["b"].code, outcomes["b"].transient) == (False, HELD, False)
+    assert outcomes["b"].held_by is not None and "SystemUpdating" in outcomes["b"].held_by
+    assert (outcomes["c"].ok, outcomes["c"].code) == (False, "NotListed")
+
+    expect_listing(stub, [[summary(iid(1), "10.1.0.1")]])
+    with pytest.raises(PermanentNodeActionError, match="c: NotListed"):
+        hp.reboot("c")
+
+
+class Drained:
+    """A scheduler that shows every node drained with one reason (only `node` is consulted)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def node(self, name: str) -> NodeInfo:
+        return NodeInfo(name=name, state=NodeState.DRAINED, reason=self.reason)
+
+
+def test_a_node_drained_by_an_admin_is_refused_without_a_call(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime
+) -> None:
+    hp = HyperPodProvider(client, CLUSTER, {"gpu-1": iid(1)}, scheduler=Drained("admin: bad fan"))
+    expect_listed(stub, [iid(1)])
+    with pytest.raises(NodeHeldError, match=r"held by the scheduler \(drained, reason: admin: bad fan\)"):
+        hp.replace("gpu-1")
+    ours = HyperPodProvider(
+        client, CLUSTER, {"gpu-1": iid(1)}, scheduler=Drained("medic: replace incident 4")
+    )
+    expect_listed(stub, [iid(1)])
+    expect_batch(stub, "batch_replace_cluster_nodes", [iid(1)])
+    assert "accepted the replacement" in ours.replace("gpu-1")

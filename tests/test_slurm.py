@@ -24,6 +24,7 @@ from typing import TypeVar
 
 import pytest
 
+from integrations.polling import NodeNotBackError
 from integrations.slurm import (
     NodeHeldByOthersError,
     NotRequeueableError,
@@ -276,7 +277,8 @@ def test_reboots_through_slurm(slurm: Cluster, scheduler: SlurmScheduler) -> Non
     SlurmRebootProvider(resume_after_reboot=True).reboot(resumed)
     for node in (rebooted, reset, resumed):
         assert slurm.cli.node(node).flags & {"REBOOT_REQUESTED", "REBOOT_ISSUED"}
-    assert provider.wait_ready(rebooted, 0) is False
+    with pytest.raises(NodeNotBackError, match=f"{rebooted}: not confirmed back"):
+        provider.wait_ready(rebooted, 0)  # asked, not yet done: still on the boot it had
 
     started = time.monotonic()
     assert all(provider.wait_ready(node, 30) for node in (rebooted, reset, resumed))
@@ -292,6 +294,40 @@ def test_reboots_through_slurm(slurm: Cluster, scheduler: SlurmScheduler) -> Non
 
     with pytest.raises(SlurmError, match="cannot replace hardware"):
         provider.replace(NODES[3])
+
+
+def test_ready_only_with_a_later_boot_time(slurm: Cluster, scheduler: SlurmScheduler) -> None:
+    node = NODES[3]
+    provider = SlurmRebootProvider(poll_interval_s=0.1)
+    scheduler.drain(node, "medic: reboot incident B1")
+    before = provider._observe(node)[1]
+    provider.reboot(node)
+    assert provider.wait_ready(node, 30)
+    after = provider._observe(node)[1]
+    assert before is not None and after is not None and after > before
+    print(f"BootTime {before} → {after}")
+    assert scheduler.node(node).drained_by_medic  # back, still out of service until verified
+
+
+def test_a_reboot_that_never_happens_is_not_back(slurm: Cluster, scheduler: SlurmScheduler) -> None:
+    """The reboot waits for the node's job, then an admin cancels it: the flags clear and the node looks
+    normal again, but on the boot it had before. The old check called that ready."""
+    node = NODES[3]
+    job_id = slurm.sbatch("--nodes=1", f"--nodelist={node}")
+    slurm.running(job_id)
+    provider = SlurmRebootProvider(poll_interval_s=0.1)
+    provider.reboot(node)
+    assert slurm.cli.node(node).flags & {"REBOOT_REQUESTED"}
+    slurm.run("scontrol", "cancel_reboot", node)
+    until(lambda: not slurm.cli.node(node).flags & {"REBOOT_REQUESTED"}, "the reboot to be cancelled")
+    started = time.monotonic()
+    with pytest.raises(NodeNotBackError, match="never seen to go down") as raised:
+        provider.wait_ready(node, 1.5)
+    assert time.monotonic() - started >= 1.5
+    assert (
+        "BootTime" in raised.value.before
+        and raised.value.before.split("BootTime ")[1] in raised.value.last_seen
+    )
 
 
 def test_wait_ready_is_false_for_a_node_that_stays_down(slurm: Cluster) -> None:
@@ -317,8 +353,9 @@ def test_hyperpod_convention(slurm: Cluster, scheduler: SlurmScheduler) -> None:
         assert "FAIL" in raw.flags and raw.reason == reason
         info = scheduler.node(node)
         assert info.state is NodeState.DRAINED and not info.drained_by_medic
-    # Until HyperPod's agent takes the node through repair and back, it is not ready.
-    assert provider.wait_ready(NODES[0], 0.3) is False
+    # Until HyperPod's agent takes the node through repair and back (a new BootTime), it is not ready.
+    with pytest.raises(NodeNotBackError, match=f"{NODES[0]}: not confirmed back .*after the reboot"):
+        provider.wait_ready(NODES[0], 0.3)
 
 
 def test_a_cluster_that_does_not_answer_is_an_error_not_a_hang() -> None:

@@ -14,6 +14,13 @@ Conventions (`convention=`, env MEDIC_SLURM_ACTIONS):
   itself. The reason no longer starts with "medic:", so GPU Medic will not resume the node.
 A node out of service for someone else's reason (an admin's drain, Slurm's "Not responding") is never
 touched: NodeHeldByOthersError.
+
+Readiness is proven by the node's BootTime (slurmd reports it when it registers): each reboot or
+replacement records the BootTime Slurm shows at the request, and `wait_ready` answers True only once
+Slurm shows a later one (by more than BOOT_SLACK_S, above the second-granularity jitter of a
+re-registration) with no reboot under way and the node not down. A node that never reboots, or never
+comes back, ends in NodeNotBackError at the timeout. A BootTime that cannot be read stops the action
+before it is requested (UnreadableSlurmDataError): an outcome that could not be proven is not started.
 """
 
 from __future__ import annotations
@@ -21,18 +28,26 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping
-from typing import Literal, cast, get_args
+from datetime import UTC, datetime
+from typing import Any, Literal, cast, get_args
 
-from integrations.polling import poll
+from integrations.polling import Comeback, poll, wait_back
 from integrations.slurm.cli import SlurmCli
-from integrations.slurm.errors import NodeHeldByOthersError, UnsupportedSlurmActionError
-from integrations.slurm.records import MEDIC_PREFIX, SlurmNode, is_ours
+from integrations.slurm.errors import (
+    NodeHeldByOthersError,
+    UnreadableSlurmDataError,
+    UnsupportedSlurmActionError,
+)
+from integrations.slurm.records import MEDIC_PREFIX, SlurmNode, generation, is_ours, parse_nodes
 
 Convention = Literal["scontrol", "hyperpod"]
 CONVENTION_VAR = "MEDIC_SLURM_ACTIONS"
 
 # While any of these is set the node is still on its way back (or, FAIL, still in HyperPod's hands).
 _IN_PROGRESS = frozenset({"REBOOT_REQUESTED", "REBOOT_ISSUED", "NOT_RESPONDING", "FAIL", "POWERING_UP"})
+# slurmd derives BootTime from its uptime at each registration, in whole seconds: a re-registration
+# without a reboot may move it by a second. A reboot moves it by at least the time since the last boot.
+BOOT_SLACK_S = 2
 
 
 class SlurmRebootProvider:
@@ -57,6 +72,8 @@ class SlurmRebootProvider:
         self.poll_interval_s = poll_interval_s
         self._sleep = sleep
         self._clock = clock
+        # Node → (the action awaiting proof, the BootTime Slurm showed when it was requested).
+        self._requested: dict[str, tuple[Comeback, int | None]] = {}
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SlurmRebootProvider:
@@ -65,10 +82,27 @@ class SlurmRebootProvider:
         return cls(SlurmCli.from_env(env), convention=convention)
 
     def _ours_to_act_on(self, name: str, action: str) -> SlurmNode:
-        node = self.cli.node(name)
+        """The node, if it is ours to act on; its BootTime is recorded as the marker `wait_ready` needs."""
+        node, booted = self._observe(name)
         if node.held_by_others:
             raise NodeHeldByOthersError(name, node.describe, node.reason, action)
+        what = "replace" if action == "replace" else "reboot"
+        self._requested[name] = (Comeback(name, what, f"{node.describe}, BootTime {_when(booted)}"), booted)
         return node
+
+    def _observe(self, name: str) -> tuple[SlurmNode, int | None]:
+        """The node and its BootTime (epoch seconds; None before slurmd ever registered), from one read
+        of the same documents SlurmCli.nodes reads."""
+        listing = self.cli._json("sinfo", "--json")
+        doc = (
+            listing
+            if generation(listing, "sinfo --json") == 38
+            else self.cli._json("scontrol", "--json", "show", "nodes")
+        )
+        for raw, node in zip(doc["nodes"], parse_nodes(doc), strict=True):
+            if node.name == name:
+                return node, _boot_time(raw, name)
+        return self.cli.node(name), None  # raises UnknownSlurmNodeError
 
     def _hyperpod(self, name: str, action: Literal["Reboot", "Replace"]) -> str:
         self._ours_to_act_on(name, action.lower())
@@ -107,7 +141,9 @@ class SlurmRebootProvider:
         )
 
     def _settled(self, name: str) -> bool | None:
-        node = self.cli.node(name)
+        return self._state_verdict(self.cli.node(name))
+
+    def _state_verdict(self, node: SlurmNode) -> bool | None:
         if node.flags & _IN_PROGRESS:
             return None
         if node.base in ("down", "error"):
@@ -116,8 +152,55 @@ class SlurmRebootProvider:
             return None if self.convention == "hyperpod" else False
         return True
 
+    def _back(self, comeback: Comeback, before: int | None) -> bool | None:
+        node, booted = self._observe(comeback.node)
+        comeback.last_seen = f"{node.describe}, BootTime {_when(booted)}"
+        if booted is not None and (before is None or booted - before > BOOT_SLACK_S):
+            comeback.went_away = True
+        verdict = self._state_verdict(node)
+        if verdict is True and not comeback.went_away:
+            return None  # answering, but on the boot it had before the request: it never left
+        return verdict
+
     def wait_ready(self, node: str, timeout_s: float) -> bool:
-        """True once the node is back and answering (drained or not); False if it failed or time ran out."""
-        return bool(
-            poll(lambda: self._settled(node), timeout_s, self.poll_interval_s, self._sleep, self._clock)
+        """After a reboot or replacement requested through this provider: True once Slurm shows a BootTime
+        later than the one recorded at the request and the node is answering again (drained or not);
+        False if it came back down (scontrol convention: the reboot failed); NodeNotBackError if that was
+        not seen within `timeout_s`. With nothing requested here there is nothing to prove: True when the
+        node is up now, False when it is down or time ran out."""
+        requested = self._requested.get(node)
+        if requested is None:
+            return bool(
+                poll(lambda: self._settled(node), timeout_s, self.poll_interval_s, self._sleep, self._clock)
+            )
+        comeback, before = requested
+        ready = wait_back(
+            comeback,
+            lambda c: self._back(c, before),
+            timeout_s,
+            self.poll_interval_s,
+            self._sleep,
+            self._clock,
         )
+        if ready:
+            del self._requested[node]
+        return ready
+
+
+def _boot_time(raw: dict[str, Any], name: str) -> int | None:
+    """`boot_time` of a node record: an integer in v0.0.38, {"set", "infinite", "number"} from v0.0.39."""
+    value = raw.get("boot_time")
+    number = value
+    if isinstance(value, dict):
+        if value.get("set") is False or value.get("infinite") is True:
+            return None
+        number = value.get("number")
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise UnreadableSlurmDataError(
+            f"node {name}", "boot_time", f"is {value!r}: no way to prove a reboot happened"
+        )
+    return number or None  # 0: slurmd never registered
+
+
+def _when(epoch: int | None) -> str:
+    return "none" if epoch is None else datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%d %H:%M:%SZ")
