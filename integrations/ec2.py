@@ -109,13 +109,14 @@ class Ec2Provider:
         self._clock = clock
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> Ec2Provider:
+    def from_env(cls, env: Mapping[str, str], scheduler: Scheduler | None = None) -> Ec2Provider:
         """AWS_REGION, MEDIC_EC2_NAME_TAG (default Name), MEDIC_AWS_NODE_MAP (optional, else discovery)."""
         return cls(
             aws_client("ec2", env),
             aws_client("autoscaling", env),
             node_map(env),
             name_tag=env.get(NAME_TAG_VAR) or "Name",
+            scheduler=scheduler,
         )
 
     # NodeProvider

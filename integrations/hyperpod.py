@@ -121,12 +121,12 @@ class HyperPodProvider:
         self._requested: dict[str, Requested] = {}
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> HyperPodProvider:
+    def from_env(cls, env: Mapping[str, str], scheduler: Scheduler | None = None) -> HyperPodProvider:
         """MEDIC_HYPERPOD_CLUSTER (required), AWS_REGION, MEDIC_AWS_NODE_MAP (optional, else discovery)."""
         cluster = env.get(CLUSTER_VAR)
         if not cluster:
             raise ValueError(f"{CLUSTER_VAR} must name the HyperPod cluster (name or ARN)")
-        return cls(aws_client("sagemaker", env), cluster, node_map(env))
+        return cls(aws_client("sagemaker", env), cluster, node_map(env), scheduler=scheduler)
 
     # NodeProvider
 

@@ -1,16 +1,21 @@
-"""Choosing backends by configuration (env vars; see medic/config.py and docs/cli.md).
+"""Choosing backends by configuration (env vars or the config file; medic/config.py, docs/config.md).
 
-| variable          | values                               | default |
-| ----------------- | ------------------------------------ | ------- |
-| MEDIC_SCHEDULER   | sim, slurm                           | sim     |
-| MEDIC_PROVIDER    | sim, slurm, hyperpod, ec2            | sim     |
-| MEDIC_DIAGNOSTICS | sim, dcgm                            | sim     |
-| MEDIC_CHECKPOINTS | sim, or a directory of DCP checkpoints | sim   |
-| SLACK_BOT_TOKEN   | set: post to Slack; unset: keep messages in memory (the demo prints them) |
+| role        | variable          | values                                          |
+| ----------- | ----------------- | ----------------------------------------------- |
+| scheduler   | MEDIC_SCHEDULER   | sim, slurm                                      |
+| provider    | MEDIC_PROVIDER    | sim, slurm, hyperpod, ec2                       |
+| diagnostics | MEDIC_DIAGNOSTICS | sim, dcgm                                       |
+| checkpoints | MEDIC_CHECKPOINTS | sim, a directory of DCP checkpoints, s3://...   |
+| notifier    | MEDIC_NOTIFIER    | slack (implied by SLACK_BOT_TOKEN), console, sim |
+
+No role falls back to the simulation: one that is not configured stops `from_settings` with a
+`BackendNotConfiguredError` naming every such role and what to set. `MEDIC_BACKENDS=sim` is
+how the demo and the tests choose simulation for every role they do not name.
 
 Simulated backends share one in-process fleet, so a real scheduler can be paired with a
-simulated provider (e.g. Slurm with simulated reboots) and vice versa. Real backends are
-imported only when chosen: a simulated setup never needs boto3 credentials or Slurm.
+simulated provider (e.g. Slurm with simulated reboots) and vice versa; the simulated ones
+refuse any node that is not in that fleet. Real backends are imported only when chosen: a
+simulated setup never needs boto3 credentials or Slurm.
 """
 
 from __future__ import annotations
@@ -25,13 +30,45 @@ from integrations.sim.fleet import SimFleet
 from integrations.sim.notifier import RecordingNotifier
 from integrations.sim.provider import SimProvider
 from integrations.sim.scheduler import SimScheduler
-from medic.config import Settings
+from medic.config import BACKEND_ROLES, BACKENDS_VAR, SLACK_TOKEN_VARS, Choice, Settings
 from medic.errors import PermanentError
 from medic.protocols import CheckpointStore, Diagnostics, NodeProvider, Notifier, Scheduler
 
 
 class BackendError(PermanentError, ValueError):
     """Raised when the configuration names a backend that does not exist or cannot be built."""
+
+
+# What to set for each role, in the message of an unconfigured one.
+HINTS: dict[str, str] = {
+    "scheduler": "MEDIC_SCHEDULER=slurm",
+    "provider": "MEDIC_PROVIDER=slurm|hyperpod|ec2",
+    "diagnostics": "MEDIC_DIAGNOSTICS=dcgm",
+    "checkpoints": "MEDIC_CHECKPOINTS=DIRECTORY|s3://BUCKET/PREFIX",
+    "notifier": "SLACK_BOT_TOKEN or MEDIC_NOTIFIER=console",
+}
+
+
+class BackendNotConfiguredError(BackendError):
+    """Raised when a backend role is configured nowhere: simulation is chosen, never a fallback."""
+
+    def __init__(self, roles: list[str]) -> None:
+        self.roles = roles
+        lines = [
+            f"no {role} configured: set {HINTS[role]} (or {BACKENDS_VAR}=sim to simulate)" for role in roles
+        ]
+        lines.append("(the config file's cluster section can name them too: docs/config.md)")
+        super().__init__("\n".join(lines))
+
+
+def require_configured(settings: Settings) -> None:
+    """Raise unless every backend role is configured and MEDIC_BACKENDS, if set, says `sim`."""
+    fallback = settings.env.get(BACKENDS_VAR)
+    if fallback and fallback != "sim":
+        raise BackendError(f"{BACKENDS_VAR}={fallback!r} is not available; the only value is sim")
+    missing = settings.unconfigured()
+    if missing:
+        raise BackendNotConfiguredError(missing)
 
 
 @dataclass(slots=True)
@@ -58,70 +95,91 @@ def simulated(fleet: SimFleet | None = None) -> tuple[Backends, SimFleet]:
 Env = Mapping[str, str]
 
 
-def _slurm_scheduler(env: Env) -> Scheduler:
+# Each factory gets the configured scheduler too: a provider beside it must see who holds a node
+# (an admin's drain there) before it reboots or replaces it.
+def _slurm_scheduler(env: Env, scheduler: Scheduler | None) -> Scheduler:
     from integrations.slurm.cli import SlurmCli
     from integrations.slurm.scheduler import SlurmScheduler
 
     return SlurmScheduler(SlurmCli.from_env(env))
 
 
-def _slurm_provider(env: Env) -> NodeProvider:
+def _slurm_provider(env: Env, scheduler: Scheduler | None) -> NodeProvider:
     from integrations.slurm.provider import SlurmRebootProvider
 
     return SlurmRebootProvider.from_env(env)
 
 
-def _hyperpod(env: Env) -> NodeProvider:
+def _hyperpod(env: Env, scheduler: Scheduler | None) -> NodeProvider:
     from integrations.hyperpod import HyperPodProvider
 
-    return HyperPodProvider.from_env(env)
+    return HyperPodProvider.from_env(env, scheduler)
 
 
-def _ec2(env: Env) -> NodeProvider:
+def _ec2(env: Env, scheduler: Scheduler | None) -> NodeProvider:
     from integrations.ec2 import Ec2Provider
 
-    return Ec2Provider.from_env(env)
+    return Ec2Provider.from_env(env, scheduler)
 
 
-def _dcgm(env: Env) -> Diagnostics:
+def _dcgm(env: Env, scheduler: Scheduler | None) -> Diagnostics:
     from integrations.dcgm.diagnostics import DcgmDiagnostics
 
     return DcgmDiagnostics.from_env(env)
 
 
-REAL: dict[str, dict[str, Callable[[Env], Any]]] = {
+REAL: dict[str, dict[str, Callable[[Env, Scheduler | None], Any]]] = {
     "scheduler": {"slurm": _slurm_scheduler},
     "provider": {"slurm": _slurm_provider, "hyperpod": _hyperpod, "ec2": _ec2},
     "diagnostics": {"dcgm": _dcgm},
 }
 
 
-def _choose(role: str, chosen: str, env: Env, simulated_one: Any) -> Any:
+def _choose(
+    role: str, choice: Choice, env: Env, simulated_one: Any, scheduler: Scheduler | None = None
+) -> Any:
+    chosen = choice.value
     if chosen == "sim":
         return simulated_one
-    factory = REAL[role].get(chosen)
+    factory = REAL[role].get(chosen or "")
     if factory is None:
         choices = ", ".join(["sim", *REAL[role]])
-        raise BackendError(f"MEDIC_{role.upper()}={chosen!r} is not available; choose one of {choices}")
+        raise BackendError(f"{choice.variable}={chosen!r} is not available; choose one of {choices}")
     try:
-        return factory(env)
+        return factory(env, scheduler)
     except ValueError as error:  # a missing or malformed setting, named by the backend
-        raise BackendError(f"MEDIC_{role.upper()}={chosen}: {error}") from None
+        raise BackendError(f"{choice.variable}={chosen}: {error}") from None
 
 
-def _notifier(env: Env, fallback: Notifier) -> Notifier:
-    if not env.get("SLACK_BOT_TOKEN") and not env.get("MEDIC_SLACK_TOKEN_BLOCK"):
-        return fallback
-    from integrations.slack.notifier import SlackNotifier
-
-    return SlackNotifier.from_env(env) or fallback
+NOTIFIERS = ("slack", "console", "sim")
 
 
-def _checkpoints(env: Env, fallback: CheckpointStore) -> CheckpointStore:
+def _notifier(choice: Choice, env: Env, simulated_one: Notifier) -> Notifier:
+    """`slack` (SLACK_BOT_TOKEN or MEDIC_SLACK_TOKEN_BLOCK), `console` (standard error), `sim` (memory)."""
+    match choice.value:
+        case "sim":
+            return simulated_one
+        case "console":
+            from integrations.console_notifier import ConsoleNotifier
+
+            return ConsoleNotifier()
+        case "slack":
+            from integrations.slack.notifier import SlackNotifier
+
+            notifier = SlackNotifier.from_env(env)
+            if notifier is None:
+                raise BackendError(f"{choice.variable}=slack: set {' or '.join(SLACK_TOKEN_VARS)}")
+            return notifier
+    raise BackendError(
+        f"{choice.variable}={choice.value!r} is not available; choose one of {', '.join(NOTIFIERS)}"
+    )
+
+
+def _checkpoints(choice: Choice, env: Env, simulated_one: CheckpointStore) -> CheckpointStore:
     """`sim`, a directory of DCP checkpoints (root/JOB/step-N), or s3://bucket/prefix."""
-    chosen = env.get("MEDIC_CHECKPOINTS", "sim")
+    chosen = choice.value or ""
     if chosen == "sim":
-        return fallback
+        return simulated_one
     if chosen.startswith("s3://"):
         from integrations.aws_clients import aws_client
         from integrations.checkpoints import S3CheckpointStore
@@ -134,12 +192,17 @@ def _checkpoints(env: Env, fallback: CheckpointStore) -> CheckpointStore:
 
 
 def from_settings(settings: Settings, env: Env | None = None) -> Backends:
+    """The configured backends; `BackendNotConfiguredError` when a role is configured nowhere."""
+    require_configured(settings)
     env = settings.env if env is None else env
     sim, _ = simulated()
+    chosen = settings.backends
+    assert set(chosen) == set(BACKEND_ROLES)
+    scheduler = _choose("scheduler", chosen["scheduler"], env, sim.scheduler)
     return Backends(
-        scheduler=_choose("scheduler", settings.scheduler, env, sim.scheduler),
-        provider=_choose("provider", settings.provider, env, sim.provider),
-        diagnostics=_choose("diagnostics", env.get("MEDIC_DIAGNOSTICS", "sim"), env, sim.diagnostics),
-        notifier=_notifier(env, sim.notifier),
-        checkpoints=_checkpoints(env, sim.checkpoints),
+        scheduler=scheduler,
+        provider=_choose("provider", chosen["provider"], env, sim.provider, scheduler),
+        diagnostics=_choose("diagnostics", chosen["diagnostics"], env, sim.diagnostics),
+        notifier=_notifier(chosen["notifier"], env, sim.notifier),
+        checkpoints=_checkpoints(chosen["checkpoints"], env, sim.checkpoints),
     )

@@ -10,11 +10,15 @@ optional) naming the backends per cluster, and from environment variables, which
 | MEDIC_CLUSTER         | the file's `cluster`                      |
 | MEDIC_DATABASE_URL    | sqlite:///$MEDIC_HOME/medic.db            |
 | MEDIC_POLICY          | policies/default.yaml                     |
-| MEDIC_SCHEDULER       | sim                                       |
-| MEDIC_PROVIDER        | sim                                       |
-| MEDIC_DIAGNOSTICS     | sim                                       |
-| MEDIC_CHECKPOINTS     | sim                                       |
+| MEDIC_SCHEDULER       | none: must be configured                  |
+| MEDIC_PROVIDER        | none: must be configured                  |
+| MEDIC_DIAGNOSTICS     | none: must be configured                  |
+| MEDIC_CHECKPOINTS     | none: must be configured                  |
+| MEDIC_NOTIFIER        | slack when SLACK_BOT_TOKEN / MEDIC_SLACK_TOKEN_BLOCK is set |
+| MEDIC_BACKENDS        | `sim`: simulate every role not named otherwise |
 
+No backend role defaults to the simulation: a role is configured by its variable (or the
+file's cluster section), or simulated because MEDIC_BACKENDS=sim says so (`backend_choices`).
 Credentials never go in the file (it is refused): they come from the standard boto3 chain,
 the environment, or Prefect Secret blocks.
 """
@@ -33,13 +37,27 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|ACCESS_KEY|PRIVATE", re.IGNORECASE)
 
 
+# Each backend role and the variable that configures it (docs/config.md).
+BACKEND_ROLES: dict[str, str] = {
+    "scheduler": "MEDIC_SCHEDULER",
+    "provider": "MEDIC_PROVIDER",
+    "diagnostics": "MEDIC_DIAGNOSTICS",
+    "checkpoints": "MEDIC_CHECKPOINTS",
+    "notifier": "MEDIC_NOTIFIER",
+}
+BACKENDS_VAR = "MEDIC_BACKENDS"  # `sim`: every role not named otherwise is simulated
+SLACK_TOKEN_VARS = ("SLACK_BOT_TOKEN", "MEDIC_SLACK_TOKEN_BLOCK")
+
+
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    backends: str | None = Field(None, description="`sim`: simulate every role this section does not name.")
     scheduler: str | None = None
     provider: str | None = None
     diagnostics: str | None = None
     checkpoints: str | None = None
+    notifier: str | None = None
     database_url: str | None = None
     policy: str | None = None
     settings: dict[str, str] = Field(
@@ -59,6 +77,8 @@ class ClusterConfig(BaseModel):
 
     def as_env(self) -> dict[str, str]:
         named = {
+            BACKENDS_VAR: self.backends,
+            "MEDIC_NOTIFIER": self.notifier,
             "MEDIC_SCHEDULER": self.scheduler,
             "MEDIC_PROVIDER": self.provider,
             "MEDIC_DIAGNOSTICS": self.diagnostics,
@@ -77,14 +97,41 @@ class ConfigFile(BaseModel):
 
 
 @dataclass(frozen=True, slots=True)
+class Choice:
+    """One backend role's configured value and where it came from; `value` None: not configured."""
+
+    role: str
+    value: str | None
+    source: str | None  # where `variable` was set: "env" or "config file"; None when not configured
+    variable: str  # the variable that decided it (MEDIC_SCHEDULER, MEDIC_BACKENDS, SLACK_BOT_TOKEN, ...)
+
+    def describe(self) -> str:
+        if self.value is None:
+            return "not configured"
+        return f"{self.value} ({self.variable}, {self.source})"
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     home: Path
     database_url: str
     policy_path: Path
-    scheduler: str
-    provider: str
     cluster: str | None
     env: Mapping[str, str]  # the effective variables: the file's cluster, then the environment
+    backends: Mapping[str, Choice]  # role -> its choice, for every role in BACKEND_ROLES
+    config_path: Path | None = None  # the config file that was read, if there was one
+
+    @property
+    def scheduler(self) -> str | None:
+        return self.backends["scheduler"].value
+
+    @property
+    def provider(self) -> str | None:
+        return self.backends["provider"].value
+
+    def unconfigured(self) -> list[str]:
+        """The roles nothing configures, in BACKEND_ROLES order."""
+        return [role for role, choice in self.backends.items() if choice.value is None]
 
 
 def _default_policy() -> Path:
@@ -105,22 +152,46 @@ def _from_file(path: Path, cluster: str | None) -> tuple[str | None, dict[str, s
     return name, config.clusters[name].as_env()
 
 
+def backend_choices(merged: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, Choice]:
+    """Each role's backend: its own variable (env, else the config file), for the notifier a Slack
+    token, else MEDIC_BACKENDS (`sim`); never a silent default."""
+
+    def origin(variable: str) -> str:
+        return "env" if environ.get(variable) else "config file"
+
+    choices: dict[str, Choice] = {}
+    fallback = merged.get(BACKENDS_VAR) or None
+    for role, variable in BACKEND_ROLES.items():
+        if merged.get(variable):
+            choice = Choice(role, merged[variable], origin(variable), variable)
+        elif role == "notifier" and (token := next((v for v in SLACK_TOKEN_VARS if merged.get(v)), None)):
+            choice = Choice(role, "slack", origin(token), token)
+        elif fallback is not None:
+            choice = Choice(role, fallback, origin(BACKENDS_VAR), BACKENDS_VAR)
+        else:
+            choice = Choice(role, None, None, variable)
+        choices[role] = choice
+    return choices
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     environ = dict(os.environ) if env is None else dict(env)
     home = Path(environ.get("MEDIC_HOME") or Path.home() / ".medic").expanduser()
     config_path = Path(environ.get("MEDIC_CONFIG") or home / "config.yaml")
+    has_file = config_path.is_file()
     cluster, from_file = (
         _from_file(config_path, environ.get("MEDIC_CLUSTER"))
-        if config_path.is_file()
+        if has_file
         else (environ.get("MEDIC_CLUSTER"), {})
     )
-    merged = {**from_file, **{k: v for k, v in environ.items() if v != ""}}
+    set_here = {k: v for k, v in environ.items() if v != ""}
+    merged = {**from_file, **set_here}
     return Settings(
         home=home,
         database_url=merged.get("MEDIC_DATABASE_URL") or f"sqlite:///{home / 'medic.db'}",
         policy_path=Path(merged["MEDIC_POLICY"]) if merged.get("MEDIC_POLICY") else _default_policy(),
-        scheduler=merged.get("MEDIC_SCHEDULER", "sim"),
-        provider=merged.get("MEDIC_PROVIDER", "sim"),
         cluster=cluster,
         env=merged,
+        backends=backend_choices(merged, set_here),
+        config_path=config_path if has_file else None,
     )

@@ -1,7 +1,9 @@
 """What every task needs at hand: the store, the backends, and the policy in force.
 
 One per process. The CLI and the tests install theirs with `configure`; a worker process that
-runs a deployed flow builds one from the environment on first use.
+runs a deployed flow builds one from the environment on first use, and refuses to with a backend
+role unconfigured (`BackendNotConfiguredError`, naming each role and what to set): simulation is
+chosen with MEDIC_BACKENDS=sim, never fallen back to.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# No backend falls back to the simulation (docs/config.md): the suite chooses it, for itself and for
+# every `medic` it starts. A test about a real backend names it (MEDIC_SCHEDULER=slurm, ...).
+os.environ["MEDIC_BACKENDS"] = "sim"
 
 from integrations import registry
 from integrations.registry import Backends

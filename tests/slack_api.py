@@ -1,4 +1,4 @@
-"""A local stand-in for Slack's Web API server (chat.postMessage, chat.update) for slack-sdk to talk to.
+"""A local stand-in for Slack's Web API server (chat.postMessage, chat.update, auth.test) for slack-sdk to talk to.
 
 slack-sdk ships no mock server, so this answers over real HTTP on 127.0.0.1 the way Slack does: bearer-token
 auth, channel names resolved to ids, increasing message timestamps, thread replies that keep thread_ts,
@@ -98,6 +98,8 @@ def _answer(state: SlackState, method: str, auth: str | None, params: dict[str, 
         return _post(state, params)
     if method == "chat.update":
         return _update(state, params)
+    if method == "auth.test":
+        return {"ok": True, "url": "https://medic-test.slack.com/", "team": "medic-test", "user": "medic"}
     return {"ok": False, "error": "unknown_method"}
 
 

@@ -1,16 +1,31 @@
-"""One config file chooses the backends per cluster; environment variables win; no credentials."""
+"""One config file chooses the backends per cluster; environment variables win; no credentials;
+no backend is simulated unless the configuration says so, and the simulation knows only its fleet."""
 
 from __future__ import annotations
 
+import io
+import json
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from integrations import registry
-from integrations.registry import BackendError
+from integrations.console_notifier import ConsoleNotifier
+from integrations.registry import BackendError, BackendNotConfiguredError
+from integrations.sim.fleet import SimFleet, UnknownSimNodeError
+from integrations.sim.notifier import RecordingNotifier
 from integrations.sim.scheduler import SimScheduler
 from medic.config import load_settings
+from medic.errors import PermanentError
 from medic.policy import PolicyError
+from medic.protocols import Message
+from tasks import runtime
+
+BIN = Path(sys.executable).parent
 
 CONFIG = """\
 cluster: train-a
@@ -23,8 +38,8 @@ clusters:
       SLURM_CONF: /etc/slurm/train-a.conf
       MEDIC_HYPERPOD_CLUSTER: train-a
   lab:
+    backends: sim
     scheduler: sim
-    provider: sim
 """
 
 
@@ -48,10 +63,173 @@ def test_environment_variables_win_and_pick_the_cluster(tmp_path: Path) -> None:
     assert isinstance(registry.from_settings(lab).scheduler, SimScheduler)
 
 
-def test_without_a_file_everything_is_simulated(tmp_path: Path) -> None:
+def test_without_configuration_no_backend_is_chosen(tmp_path: Path) -> None:
     settings = load_settings({"MEDIC_HOME": str(tmp_path)})
-    assert (settings.scheduler, settings.provider, settings.cluster) == ("sim", "sim", None)
+    assert (settings.scheduler, settings.provider, settings.cluster) == (None, None, None)
     assert settings.database_url == f"sqlite:///{tmp_path / 'medic.db'}"
+    assert settings.unconfigured() == ["scheduler", "provider", "diagnostics", "checkpoints", "notifier"]
+    with pytest.raises(BackendNotConfiguredError) as caught:
+        registry.from_settings(settings)
+    message = str(caught.value)
+    assert "no scheduler configured: set MEDIC_SCHEDULER=slurm (or MEDIC_BACKENDS=sim to simulate)" in message
+    for needed in ("MEDIC_PROVIDER=", "MEDIC_DIAGNOSTICS=dcgm", "MEDIC_CHECKPOINTS=", "SLACK_BOT_TOKEN"):
+        assert needed in message
+    assert isinstance(caught.value, BackendError) and isinstance(caught.value, PermanentError)
+
+
+def test_one_missing_role_is_named_alone(tmp_path: Path) -> None:
+    env = {"MEDIC_HOME": str(tmp_path), "MEDIC_SCHEDULER": "sim", "MEDIC_PROVIDER": "sim"}
+    env |= {"MEDIC_DIAGNOSTICS": "sim", "MEDIC_NOTIFIER": "sim"}
+    with pytest.raises(BackendNotConfiguredError, match="no checkpoints configured") as caught:
+        registry.from_settings(load_settings(env))
+    assert caught.value.roles == ["checkpoints"]
+    assert "scheduler" not in str(caught.value)
+
+
+def test_medic_backends_sim_simulates_every_role_not_named(tmp_path: Path) -> None:
+    settings = load_settings({"MEDIC_HOME": str(tmp_path), "MEDIC_BACKENDS": "sim", "MEDIC_PROVIDER": "ec2"})
+    assert {r: (c.value, c.variable, c.source) for r, c in settings.backends.items()} == {
+        "scheduler": ("sim", "MEDIC_BACKENDS", "env"),
+        "provider": ("ec2", "MEDIC_PROVIDER", "env"),
+        "diagnostics": ("sim", "MEDIC_BACKENDS", "env"),
+        "checkpoints": ("sim", "MEDIC_BACKENDS", "env"),
+        "notifier": ("sim", "MEDIC_BACKENDS", "env"),
+    }
+    backends = registry.from_settings(load_settings({"MEDIC_HOME": str(tmp_path), "MEDIC_BACKENDS": "sim"}))
+    assert isinstance(backends.scheduler, SimScheduler) and isinstance(backends.notifier, RecordingNotifier)
+
+
+def test_the_file_can_choose_simulation_and_says_so(tmp_path: Path) -> None:
+    lab = load_settings({**write(tmp_path, CONFIG), "MEDIC_CLUSTER": "lab"})
+    assert lab.backends["scheduler"].describe() == "sim (MEDIC_SCHEDULER, config file)"
+    assert lab.backends["notifier"].describe() == "sim (MEDIC_BACKENDS, config file)"
+    train = load_settings(write(tmp_path, CONFIG))
+    assert train.unconfigured() == ["checkpoints", "notifier"]
+
+
+def test_a_bad_medic_backends_value_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(BackendError, match="MEDIC_BACKENDS='real' is not available; the only value is sim"):
+        registry.from_settings(load_settings({"MEDIC_HOME": str(tmp_path), "MEDIC_BACKENDS": "real"}))
+
+
+def test_the_notifier_is_slack_with_a_token_console_or_sim_when_chosen(tmp_path: Path) -> None:
+    base = {"MEDIC_HOME": str(tmp_path), "MEDIC_BACKENDS": "sim"}
+    slack = load_settings({**base, "SLACK_BOT_TOKEN": "xoxb-1"}).backends["notifier"]
+    assert (slack.value, slack.variable) == ("slack", "SLACK_BOT_TOKEN")
+    console = registry.from_settings(load_settings({**base, "MEDIC_NOTIFIER": "console"})).notifier
+    assert isinstance(console, ConsoleNotifier)
+    with pytest.raises(
+        BackendError, match="MEDIC_NOTIFIER=slack: set SLACK_BOT_TOKEN or MEDIC_SLACK_TOKEN_BLOCK"
+    ):
+        registry.from_settings(load_settings({**base, "MEDIC_NOTIFIER": "slack"}))
+    with pytest.raises(BackendError, match="MEDIC_NOTIFIER='email' is not available"):
+        registry.from_settings(load_settings({**base, "MEDIC_NOTIFIER": "email"}))
+
+
+def test_the_console_notifier_writes_every_message() -> None:
+    stream = io.StringIO()
+    notifier = ConsoleNotifier(stream)
+    ref = notifier.post(Message("inc-1", "#gpu", "Hardware fault on gpu-001: reboot", "rebooted"))
+    notifier.reply(ref, "verified at DCGM level 1")
+    assert stream.getvalue() == (
+        "[medic sim-1] #gpu: Hardware fault on gpu-001: reboot\nrebooted\n[medic sim-1] verified at DCGM level 1\n"
+    )
+
+
+def test_a_flow_runtime_refuses_to_start_unconfigured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runtime, "_current", None)
+    monkeypatch.delenv("MEDIC_BACKENDS")
+    monkeypatch.setenv("MEDIC_HOME", str(tmp_path))
+    monkeypatch.setenv("MEDIC_SCHEDULER", "sim")
+    with pytest.raises(BackendNotConfiguredError) as caught:
+        runtime.current()
+    assert caught.value.roles == ["provider", "diagnostics", "checkpoints", "notifier"]
+
+
+# --- the simulation never stands in for a real node ---------------------------------------------
+
+
+def test_the_simulation_refuses_nodes_outside_its_fleet() -> None:
+    backends, fleet = registry.simulated(SimFleet.build(nodes=4))
+    result = backends.diagnostics.run("a100-017", 1, timeout_s=60)
+    assert result.result == "error"
+    assert (
+        "a100-017 is not in the simulated fleet (gpu-node-1, gpu-node-2, gpu-node-3, gpu-node-4)"
+        in result.detail
+    )
+    for call in (
+        lambda: backends.scheduler.node("a100-017"),
+        lambda: backends.scheduler.drain("a100-017", "medic: test"),
+        lambda: backends.scheduler.resume("a100-017"),
+        lambda: backends.scheduler.jobs_on_node("a100-017"),
+        lambda: backends.provider.reboot("a100-017"),
+        lambda: backends.provider.reset_gpu("a100-017", 0),
+        lambda: backends.provider.replace("a100-017"),
+        lambda: backends.provider.booted_at("a100-017"),
+        lambda: backends.provider.wait_ready("a100-017", 1),
+    ):
+        with pytest.raises(UnknownSimNodeError, match="a100-017 is not in the simulated fleet"):
+            call()
+    assert "a100-017" not in fleet.nodes  # nothing joined the fleet on the way
+    assert backends.diagnostics.run("gpu-node-2", 1, timeout_s=60).result == "pass"
+
+
+# --- `medic ingest` and `medic serve` with nothing configured -------------------------------------
+
+
+def _clean_env(tmp_path: Path, **more: str) -> dict[str, str]:
+    """Only what a shell on a fresh machine has: no MEDIC_BACKENDS, no backend variable."""
+    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
+    env = {k: v for k, v in os.environ.items() if k in keep}
+    return env | {"MEDIC_HOME": str(tmp_path / "home"), "PREFECT_HOME": str(tmp_path / "prefect"), **more}
+
+
+def _events(tmp_path: Path) -> Path:
+    now = datetime.now(UTC).isoformat()
+    lines = [
+        {"id": "e-1", "time": now, "source": "agent", "kind": "xid", "node": "a100-017", "gpu": 0,
+         "attributes": {"code": 79}},
+        {"id": "e-2", "time": now, "source": "agent", "kind": "xid", "node": "gpu-node-3", "gpu": 1,
+         "attributes": {"code": 79}},
+    ]  # fmt: skip
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_ingest_refuses_to_start_unconfigured(tmp_path: Path, dry_run: bool) -> None:
+    args = [str(BIN / "medic"), "ingest", *(["--dry-run"] if dry_run else []), str(_events(tmp_path))]
+    done = subprocess.run(args, env=_clean_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert (
+        "no scheduler configured: set MEDIC_SCHEDULER=slurm (or MEDIC_BACKENDS=sim to simulate)"
+        in done.stderr
+    )
+    assert "no notifier configured" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "home" / "medic.db").exists()  # stopped before anything was stored
+
+
+def test_ingest_dry_run_with_simulation_chosen(tmp_path: Path) -> None:
+    env = _clean_env(tmp_path, MEDIC_BACKENDS="sim", COLUMNS="300")
+    args = [str(BIN / "medic"), "ingest", "--dry-run", str(_events(tmp_path))]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "reboot gpu-node-3" in done.stdout
+    # A node the simulated fleet does not have is named, not silently simulated.
+    assert "a100-017 is not in the simulated fleet" in done.stderr
+
+
+def test_serve_refuses_to_start_unconfigured(tmp_path: Path) -> None:
+    env = _clean_env(tmp_path, MEDIC_INGEST_TOKENS="t0ken", MEDIC_SCHEDULER="slurm")
+    done = subprocess.run(
+        [str(BIN / "medic"), "serve", "--port", "1"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no provider configured: set MEDIC_PROVIDER=slurm|hyperpod|ec2" in done.stderr
+    assert "no scheduler configured" not in done.stderr and "Traceback" not in done.stderr
 
 
 def test_credentials_are_refused_with_file_and_line(tmp_path: Path) -> None:
@@ -73,7 +251,30 @@ def test_unknown_keys_and_clusters_are_clear_errors(tmp_path: Path) -> None:
 def test_a_backend_missing_its_setting_is_named(tmp_path: Path) -> None:
     env = write(tmp_path, CONFIG.replace("      MEDIC_HYPERPOD_CLUSTER: train-a\n", ""))
     settings = load_settings(
-        {**env, "MEDIC_SCHEDULER": "sim", "MEDIC_DIAGNOSTICS": "sim", "AWS_REGION": "us-east-1"}
+        {
+            **env,
+            "MEDIC_BACKENDS": "sim",
+            "MEDIC_SCHEDULER": "sim",
+            "MEDIC_DIAGNOSTICS": "sim",
+            "AWS_REGION": "us-east-1",
+        }
     )
     with pytest.raises(BackendError, match="MEDIC_PROVIDER=hyperpod: MEDIC_HYPERPOD_CLUSTER"):
         registry.from_settings(settings)
+
+
+@pytest.mark.parametrize("provider", ["ec2", "hyperpod"])
+def test_an_aws_provider_sees_the_configured_scheduler(provider: str, tmp_path: Path) -> None:
+    # Beside a scheduler, an AWS provider must see an admin's drain there before it reboots.
+    env = {
+        "MEDIC_HOME": str(tmp_path),
+        "MEDIC_BACKENDS": "sim",
+        "MEDIC_PROVIDER": provider,
+        "MEDIC_HYPERPOD_CLUSTER": "ml-cluster",
+        "AWS_REGION": "us-east-1",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+    }
+    backends = registry.from_settings(load_settings(env))
+    assert isinstance(backends.scheduler, SimScheduler)
+    assert backends.provider.scheduler is backends.scheduler  # type: ignore[attr-defined]  # theirs, not the Protocol's

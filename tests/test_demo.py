@@ -18,6 +18,7 @@ def test_demo_remediates_hardware_and_leaves_application_faults_alone(
 ) -> None:
     monkeypatch.setenv("MEDIC_HOME", str(tmp_path))
     monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.delenv("MEDIC_BACKENDS")  # the demo chooses the simulation itself: no setting needed
     result = CliRunner().invoke(app, ["demo"])
     assert result.exit_code == 0, result.output
 

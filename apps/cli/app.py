@@ -10,11 +10,13 @@ from apps.cli.agent import agent
 from apps.cli.breaker import breaker_app
 from apps.cli.dcgm import dcgm_app
 from apps.cli.demo import demo
+from apps.cli.doctor import doctor
 from apps.cli.goodput import goodput
 from apps.cli.incidents import incident, incidents
 from apps.cli.policy import policy_app
 from apps.cli.serve import emit, serve
 from apps.cli.triage import ingest, schema, triage
+from integrations.registry import BackendError
 from medic.policy import PolicyError
 
 app = typer.Typer(
@@ -25,7 +27,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 # `medic --help` lists the commands in registration order: keep it.
-for command in (serve, agent, emit, triage, ingest, incidents, incident, demo, goodput, schema):
+for command in (serve, agent, emit, triage, ingest, incidents, incident, demo, doctor, goodput, schema):
     app.command()(command)
 app.add_typer(policy_app, name="policy")
 app.add_typer(dcgm_app, name="dcgm")
@@ -38,4 +40,7 @@ def main() -> None:
         app()
     except PolicyError as error:  # a broken config file: file:line:column, no traceback
         err.print(str(error), markup=False, highlight=False)
+        raise SystemExit(2) from None
+    except BackendError as error:  # `medic serve` (or a flow) with a backend unconfigured or wrong
+        err.print(f"error: {error}", markup=False, highlight=False)
         raise SystemExit(2) from None

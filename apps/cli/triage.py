@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from apps.cli import render
@@ -26,7 +27,9 @@ from apps.cli._common import (
 from apps.cli.plan import plan_steps
 from integrations.registry import BackendError, from_settings
 from medic.config import load_settings
+from medic.errors import PermanentError
 from medic.events import FaultEvent
+from medic.incidents import Incident
 from medic.intake import Intake, read_file
 from medic.store import Store
 from medic.triage import replay, triage_line
@@ -100,8 +103,8 @@ def _runtime(policy: Path | None) -> Runtime:
     loaded = load_policy_or_exit(policy)
     try:
         backends = from_settings(settings)
-    except BackendError as error:
-        err.print(f"[red]{error}[/red]")
+    except BackendError as error:  # not configured, or configured wrong: say what to set
+        err.print(f"[red]error:[/red] {escape(str(error))}")
         raise typer.Exit(2) from None
     return configure(Runtime(Store(settings.database_url), backends, Path(loaded.path)))
 
@@ -118,9 +121,7 @@ def _dry_run(rt: Runtime, intake: Intake) -> None:
         table.add_column(column, overflow="fold")
     for result in replay(fresh, loaded, fleet_size=len(nodes)):
         d = result.decision
-        jobs = [
-            j.id for j in rt.backends.scheduler.jobs_on_node(result.incident.node)
-        ] or result.incident.jobs
+        jobs = _jobs_on(rt, result.incident) or result.incident.jobs
         steps = plan_steps(
             d, result.incident.node, result.incident.id, jobs, loaded.policy.defaults.verify_level
         )
@@ -128,6 +129,18 @@ def _dry_run(rt: Runtime, intake: Intake) -> None:
             result.incident.id, result.incident.node, f"{d.action.value} ({d.rule})", "\n".join(steps)
         )
     console.print(table)
+
+
+def _jobs_on(rt: Runtime, incident: Incident) -> list[str]:
+    """The jobs the scheduler reports on the incident's node; none for a switch, or a node it does
+    not know (the plan then shows the jobs the events name)."""
+    if incident.scope == "switch":
+        return []
+    try:
+        return [j.id for j in rt.backends.scheduler.jobs_on_node(incident.node)]
+    except PermanentError as error:
+        err.print(f"[yellow]{escape(incident.id)}:[/yellow] {escape(str(error))}")
+        return []
 
 
 def schema() -> None:

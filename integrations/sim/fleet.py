@@ -25,6 +25,27 @@ class SimPermanentFailure(PermanentError):
     """Raised when a call scripted by `fail_next(..., permanent=True)` is refused for good."""
 
 
+class UnknownSimNodeError(PermanentError, LookupError):
+    """Raised when a node name is not in the simulated fleet: the simulation never stands in for a
+    real host (it would "pass" its diagnostics and put it back in service)."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.node = name
+        known = sorted(known, key=_natural)
+        shown = ", ".join(known[:4]) + (f", ... ({len(known)} nodes)" if len(known) > 4 else "")
+        super().__init__(
+            f"{name} is not in the simulated fleet ({shown or 'no nodes'}): configure the real backends "
+            "(docs/config.md) to act on real nodes"
+        )
+
+
+def _natural(name: str) -> tuple[str, int]:
+    """gpu-node-2 before gpu-node-10."""
+    stem = name.rstrip("0123456789")
+    digits = name[len(stem) :]
+    return stem, int(digits) if digits else -1
+
+
 @dataclass(slots=True)
 class SimNode:
     name: str
@@ -74,11 +95,15 @@ class SimFleet:
         return fleet
 
     def node(self, name: str) -> SimNode:
-        """A node by name; a name the fleet has not seen joins it (replayed events name real hosts)."""
+        """A node by name; `UnknownSimNodeError` for a name the fleet does not have."""
         with self.lock:
             if name not in self.nodes:
-                self.nodes[name] = SimNode(name, switch="leaf-unknown", gpus=8)
+                raise UnknownSimNodeError(name, list(self.nodes))
             return self.nodes[name]
+
+    def has_node(self, name: str) -> bool:
+        with self.lock:
+            return name in self.nodes
 
     def add_job(
         self,

@@ -36,6 +36,7 @@ class SimScheduler:
 
     def jobs_on_node(self, name: str) -> list[JobInfo]:
         with self.fleet.lock:
+            self.fleet.node(name)  # an unknown node is an error, as with Slurm
             return [self._job_info(j) for j in self.fleet.jobs.values() if name in j.nodes]
 
     def drain(self, name: str, reason: str) -> None:

@@ -83,7 +83,8 @@ def current_flow_run_url(_message: Message) -> str | None:
     return flow_run.ui_url
 
 
-def _token(env: Mapping[str, str]) -> str | None:
+def token_from_env(env: Mapping[str, str]) -> str | None:
+    """SLACK_BOT_TOKEN, else the Prefect Secret block named by MEDIC_SLACK_TOKEN_BLOCK; None when neither."""
     if env.get(TOKEN_ENV):
         return env[TOKEN_ENV]
     block = env.get(TOKEN_BLOCK_ENV)
@@ -118,7 +119,7 @@ class SlackNotifier:
         """A notifier configured by SLACK_BOT_TOKEN (or the Prefect Secret block named by
         MEDIC_SLACK_TOKEN_BLOCK) and SLACK_API_URL; None when no token is configured."""
         env = os.environ if env is None else env
-        token = _token(env)
+        token = token_from_env(env)
         if not token:
             return None
         base_url = env.get(API_URL_ENV) or DEFAULT_API_URL
