@@ -61,7 +61,7 @@ def webhook(name: str, node: str) -> tuple[bytes, dict[str, str]]:
 
 
 async def _burst(url: str, round_no: int, size: int) -> list[tuple[float, int]]:
-    bodies = [webhook(f"burst-{round_no}-{i}", f"bench-node-{round_no}-{i}") for i in range(size)]
+    bodies = [webhook(f"burst-{round_no}-{i}", f"gpu-node-{round_no * size + i + 1}") for i in range(size)]
 
     async def one(client: httpx.AsyncClient, body: bytes, headers: dict[str, str]) -> tuple[float, int]:
         started = time.perf_counter()
@@ -76,12 +76,13 @@ async def _burst(url: str, round_no: int, size: int) -> list[tuple[float, int]]:
         await asyncio.gather(*(c.aclose() for c in clients))
 
 
-def server_env(directory: Path) -> dict[str, str]:
+def server_env(directory: Path, nodes: int) -> dict[str, str]:
     env = {
         **os.environ,
         "MEDIC_DATABASE_URL": f"sqlite:///{directory / 'medic.db'}",
         "MEDIC_SENTRY_CLIENT_SECRET": SECRET,
-        "MEDIC_BACKENDS": "sim",  # a simulated fleet: the nodes the webhooks name join it
+        "MEDIC_BACKENDS": "sim",
+        "MEDIC_SIM_NODES": str(nodes),  # a node of the simulated fleet for every webhook
         "MEDIC_INGEST_TOKENS": "",
         "MEDIC_HOME": str(directory / "home"),
         "PREFECT_HOME": str(directory / "prefect"),
@@ -99,14 +100,14 @@ def run(burst: int = BURST, bursts: int = BURSTS) -> dict[str, Any]:
         log = (directory / "server.log").open("wb")
         server = subprocess.Popen(
             [*MEDIC_SERVE, "--port", url.rsplit(":", 1)[1], "--log-level", "warning"],
-            env=server_env(directory),
+            env=server_env(directory, burst * bursts + 1),
             cwd=REPO_ROOT,
             stdout=log,
             stderr=log,
         )
         try:
             _wait_ready(url, server, timeout_s=120)
-            body, headers = webhook("warm-up", "bench-warm-up")
+            body, headers = webhook("warm-up", f"gpu-node-{burst * bursts + 1}")
             httpx.post(f"{url}/v1/sentry", content=body, headers=headers, timeout=60).raise_for_status()
             time.sleep(PAUSE_S)  # its flow run, and the embedded Prefect server's start
             samples: list[tuple[float, int]] = []

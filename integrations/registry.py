@@ -191,11 +191,19 @@ def _checkpoints(choice: Choice, env: Env, simulated_one: CheckpointStore) -> Ch
     return DcpCheckpointStore(chosen)
 
 
+def _sim_nodes(env: Env) -> int:
+    """MEDIC_SIM_NODES: how many nodes (gpu-node-1 … gpu-node-N) the simulated fleet has; 8 by default."""
+    raw = env.get("MEDIC_SIM_NODES", "8")
+    if not raw.isdigit() or not 1 <= int(raw) <= 100_000:
+        raise BackendError(f"MEDIC_SIM_NODES={raw!r}: give a number of nodes from 1 to 100000")
+    return int(raw)
+
+
 def from_settings(settings: Settings, env: Env | None = None) -> Backends:
     """The configured backends; `BackendNotConfiguredError` when a role is configured nowhere."""
     require_configured(settings)
     env = settings.env if env is None else env
-    sim, _ = simulated()
+    sim, _ = simulated(SimFleet.build(nodes=_sim_nodes(env)))
     chosen = settings.backends
     assert set(chosen) == set(BACKEND_ROLES)
     scheduler = _choose("scheduler", chosen["scheduler"], env, sim.scheduler)
