@@ -16,11 +16,11 @@ from prefect.input import RunInput
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from medic.policy import Decision
+from medic.policy import Action, Decision
 from medic.policy.model import DESTRUCTIVE
 from medic.protocols import Message
 from medic.statuses import IncidentStatus
-from tasks.node_ops import ensure_drained
+from tasks.node_ops import take_out_of_service
 from tasks.runtime import current
 from tasks.triage import Triage
 
@@ -35,6 +35,7 @@ class Approval(RunInput):
 class ApprovalOutcome(BaseModel):
     approved: bool
     detail: str
+    drain: str | None = None  # what happened to the node while waiting (drained, or kept in service and why)
 
 
 def _poll_seconds() -> int:
@@ -46,9 +47,16 @@ async def await_approval(triaged: Triage, decision: Decision) -> ApprovalOutcome
     rt = current()
     approvals = rt.policy().policy.approvals
     action = decision.action.value
+    drain, kept = None, ""
     if decision.action in DESTRUCTIVE:
-        # Keep new work off a suspect node while humans think about it.
-        ensure_drained(rt, triaged.incident, triaged.node, f"{action} awaiting approval")
+        # Keep new work off a suspect node while humans think about it: a drain like any other, so
+        # the guardrails are checked again under the slot first, and a full fleet keeps it in service.
+        intent = decision.model_copy(update={"action": Action.DRAIN, "diagnose_level": None})
+        taken = take_out_of_service(rt, triaged.incident, triaged.node, intent, f"{action} awaiting approval")
+        drain = taken.detail
+        if taken.stopped:
+            name, why = taken.stopped
+            kept = f"\n{triaged.node} is kept in service while you decide: drain stopped by guardrail {name}: {why}."
     request = rt.store.request_approval(triaged.incident, action)
     rt.store.update_incident(triaged.incident, status=IncidentStatus.WAITING_FOR_APPROVAL)
     run_id = str(flow_run.id) if flow_run.id else None
@@ -59,7 +67,7 @@ async def await_approval(triaged: Triage, decision: Decision) -> ApprovalOutcome
                 channel=triaged.channel,
                 title=f"Approval needed: {action} {triaged.node}",
                 body=f"Rule `{decision.rule}`: {decision.reason}\nNo answer within "
-                f"{approvals.timeout_minutes:g} min: {approvals.on_timeout}.",
+                f"{approvals.timeout_minutes:g} min: {approvals.on_timeout}.{kept}",
                 recommend=tuple(decision.recommend),
                 fields={"node": triaged.node, "jobs": ", ".join(triaged.jobs), "owner": triaged.owner or ""},
                 approval_run=run_id,
@@ -80,14 +88,19 @@ async def await_approval(triaged: Triage, decision: Decision) -> ApprovalOutcome
         return ApprovalOutcome(
             approved=proceed,
             detail=f"no answer within {approvals.timeout_minutes:g} min: {approvals.on_timeout}",
+            drain=drain,
         )
     if approvals.approvers and answer.by not in approvals.approvers:
         rt.store.answer_approval(
             request.id or 0, approved=False, by=answer.by, via=answer.via, comment="not an approver"
         )
-        return ApprovalOutcome(approved=False, detail=f"{answer.by} is not an approver; treated as rejected")
+        return ApprovalOutcome(
+            approved=False, detail=f"{answer.by} is not an approver; treated as rejected", drain=drain
+        )
     rt.store.answer_approval(
         request.id or 0, approved=answer.approved, by=answer.by, via=answer.via, comment=answer.comment
     )
     verdict = "approved" if answer.approved else "rejected"
-    return ApprovalOutcome(approved=answer.approved, detail=f"{verdict} by {answer.by} via {answer.via}")
+    return ApprovalOutcome(
+        approved=answer.approved, detail=f"{verdict} by {answer.by} via {answer.via}", drain=drain
+    )

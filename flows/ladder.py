@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from medic.policy import Action, Decision
 from tasks.decide import decide_incident
 from tasks.diagnose import LEVEL_BUDGET_S, diagnose
+from tasks.runtime import current
 
 MAX_STEPS = 4
 
@@ -39,6 +40,22 @@ async def diagnose_ladder(incident_id: str, node: str, decision: Decision) -> La
         # Each level has its own hard budget: a hung DCGM run must not hold the incident forever.
         budgeted = diagnose.with_options(timeout_seconds=LEVEL_BUDGET_S[level] + 60)
         result = budgeted(incident_id, node, level)
+        if result.guardrail:
+            # The drain for this level was refused at the last check: nothing ran, the node is as it was.
+            seen.append(f"L{level} not run (guardrail {result.guardrail})")
+            stopped = decision.model_copy(
+                update={
+                    "action": Action.ESCALATE,
+                    "diagnose_level": None,
+                    "guardrail": result.guardrail,
+                    "blocked_action": Action.DIAGNOSE,
+                    "reason": f"{decision.reason}; diagnose stopped by guardrail {result.guardrail} "
+                    f"at the last check: {result.detail}",
+                }
+            )
+            rt = current()
+            rt.store.add_decision(stopped, rt.policy().path)  # the audit names the guardrail
+            return LadderResult(decision=stopped, seen=seen)
         errors = f" ({', '.join(result.error_ids)})" if result.error_ids else ""
         seen.append(f"L{result.level} {result.result}{errors}")
         if result.result == "error":

@@ -183,7 +183,7 @@ async def remediate(incident_id: str, node: str) -> Outcome:
         await thread.open()
         with stage(current().store, incident_id, "approval") as log:
             answer = await await_approval(triaged, decision)
-            log.done(answer.detail)
+            log.done(answer.detail, drain=answer.drain)
         if not answer.approved:
             decision = decision.model_copy(
                 update={

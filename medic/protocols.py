@@ -32,6 +32,11 @@ class NodeInfo:
     def drained_by_medic(self) -> bool:
         return self.state in (NodeState.DRAINED, NodeState.DOWN) and (self.reason or "").startswith("medic:")
 
+    @property
+    def out_of_service(self) -> bool:
+        """Drained, down or rebooting: the scheduler gives it no new work, whoever took it out."""
+        return self.state in (NodeState.DRAINED, NodeState.DOWN, NodeState.REBOOTING)
+
 
 class JobState(StrEnum):
     PENDING = "pending"

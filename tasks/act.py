@@ -11,7 +11,7 @@ from medic.statuses import ACT_DONE_STATUSES, ActionStatus, ActStatus, StepStatu
 from medic.store.tables import ActionRecord
 from tasks import prefect_events
 from tasks.guard import guarded
-from tasks.node_ops import ensure_drained, held_by_others, resume_node
+from tasks.node_ops import ensure_drained, held_by_others, resume_node, take_out_of_service
 from tasks.retry import transient_only
 from tasks.runtime import Runtime, current
 from tasks.stage import stage
@@ -73,6 +73,8 @@ def _claimed_before(action: Action, node: str, row: ActionRecord) -> ActOutcome:
 def _call_provider(
     rt: Runtime, incident_id: str, node: str, gpu: int | None, action: Action, key: str
 ) -> ActOutcome:
+    # Inside `_destructive`'s `guarded`: the guardrails were checked for this action under the slot,
+    # which is held once for the whole transition (drain and call), never taken a second time.
     drained = ensure_drained(rt, incident_id, node, action.value)
     provider = rt.backends.provider
     try:
@@ -97,23 +99,25 @@ def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> Act
         if action in DESTRUCTIVE:
             outcome = _destructive(rt, incident_id, node, gpu, decision)
         elif action is Action.DRAIN:
-            with guarded(rt, node, decision) as stopped:
-                outcome = (
-                    _stopped(action, stopped)
-                    if stopped
-                    else ActOutcome(
-                        action=action,
-                        status=ActStatus.DONE,
-                        detail=ensure_drained(rt, incident_id, node, "drain"),
-                    )
-                )
+            taken = take_out_of_service(rt, incident_id, node, decision, "drain")
+            outcome = (
+                _stopped(action, taken.stopped)
+                if taken.stopped
+                else ActOutcome(action=action, status=ActStatus.DONE, detail=taken.detail)
+            )
         elif action is Action.REINTEGRATE:
             outcome = ActOutcome(
                 action=action, status=ActStatus.DONE, detail=resume_node(rt, incident_id, node)
             )
         elif action is Action.ESCALATE:
+            why = (
+                f" ({decision.blocked_action.value if decision.blocked_action else 'action'} stopped by "
+                f"guardrail {decision.guardrail})"
+                if decision.guardrail
+                else ""
+            )
             outcome = ActOutcome(
-                action=action, status=ActStatus.ESCALATED, detail="handed to humans; node not touched"
+                action=action, status=ActStatus.ESCALATED, detail=f"handed to humans{why}; node not touched"
             )
         else:
             outcome = ActOutcome(action=action, status=ActStatus.SKIPPED, detail=f"{node} left alone")

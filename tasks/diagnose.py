@@ -6,10 +6,12 @@ from prefect import task
 from pydantic import BaseModel
 
 from medic.events import FaultEvent
+from medic.policy import Action, Decision
+from medic.policy.model import Classification
 from medic.statuses import StepStatus
 from medic.store import utcnow
 from tasks.evidence import record_diagnostic
-from tasks.node_ops import ensure_drained
+from tasks.node_ops import take_out_of_service
 from tasks.retry import transient_only
 from tasks.runtime import current
 from tasks.stage import stage
@@ -20,9 +22,22 @@ LEVEL_BUDGET_S: dict[int, float] = {1: 120, 2: 900, 3: 2700, 4: 9000}
 
 class DiagnosticOutcome(BaseModel):
     level: int
-    result: str  # pass | fail | error
+    result: str  # pass | fail | error | stopped (a guardrail refused the drain: nothing ran)
     error_ids: list[str]
     detail: str
+    guardrail: str | None = None  # the guardrail that refused the drain, when result is "stopped"
+
+
+def drain_intent(incident_id: str, level: int) -> Decision:
+    """What the guardrails are asked about before a level 2-4 run: a `diagnose` that takes the node out."""
+    return Decision(
+        incident=incident_id,
+        classification=Classification.UNKNOWN,
+        action=Action.DIAGNOSE,
+        diagnose_level=level,
+        rule="dcgm-ladder",
+        reason=f"DCGM level {level} needs the node drained",
+    )
 
 
 @task(name="diagnose", retries=1, retry_delay_seconds=2, retry_condition_fn=transient_only)
@@ -31,8 +46,23 @@ def diagnose(incident_id: str, node: str, level: int) -> DiagnosticOutcome:
     with stage(rt.store, incident_id, f"diagnose L{level}") as log:
         drained = None
         if level >= 2:
-            # Levels 2-4 stress the GPUs: nothing else may run on them.
-            drained = ensure_drained(rt, incident_id, node, f"DCGM level {level}")
+            # Levels 2-4 stress the GPUs: nothing else may run on them, so the node goes out of
+            # service, through the same guardrail check under the slot as any other drain.
+            taken = take_out_of_service(
+                rt, incident_id, node, drain_intent(incident_id, level), f"DCGM level {level}"
+            )
+            if taken.stopped:
+                log.done(
+                    f"DCGM level {level} not run: {taken.detail}", status=StepStatus.SKIPPED, level=level
+                )
+                return DiagnosticOutcome(
+                    level=level,
+                    result="stopped",
+                    error_ids=[],
+                    detail=taken.stopped[1],
+                    guardrail=taken.guardrail,
+                )
+            drained = taken.detail
         result = rt.backends.diagnostics.run(node, level, timeout_s=LEVEL_BUDGET_S[level])
         record_diagnostic(rt, incident_id, result)
         finished = result.finished_at or utcnow()

@@ -58,6 +58,14 @@ def storms(rt: Runtime) -> Storms:
     return rt.policy().policy.storms(switch_sizes(rt.backends.scheduler.nodes()))
 
 
+def counted_out_of_service(nodes: list[NodeInfo], *, by_others: bool) -> frozenset[str]:
+    """The nodes `max_out_of_service*` counts: every node out of service as the scheduler shows it
+    (drained, down or rebooting, for any reason), or with `by_others` off only the ones we drained."""
+    if by_others:
+        return frozenset(n.name for n in nodes if n.out_of_service)
+    return frozenset(n.name for n in nodes if n.drained_by_medic)
+
+
 def fleet_state(rt: Runtime, policy: Policy, now: datetime, nodes: list[NodeInfo]) -> FleetState:
     """The fleet as the guardrails must see it: the scheduler's nodes and our recorded actions."""
     rails = policy.guardrails
@@ -68,7 +76,7 @@ def fleet_state(rt: Runtime, policy: Policy, now: datetime, nodes: list[NodeInfo
     return FleetState(
         now=now,
         fleet_size=len(nodes),
-        out_of_service=frozenset(n.name for n in nodes if n.drained_by_medic),
+        out_of_service=counted_out_of_service(nodes, by_others=rails.count_out_of_service_by_others),
         destructive_at=tuple(a.intent_at for a in destructive),
         last_destructive={a.node: a.intent_at for a in destructive},
         taken_out_at={a.node: a.intent_at for a in drains},

@@ -5,6 +5,13 @@ for one more node out of service and both take one. So the last check and the ac
 under one Prefect global concurrency slot (strict: a missing limit is an error, never a silent
 "unlimited"), with the fleet state read again inside it.
 
+Every transition that takes a node out of service goes through the slot: destructive actions
+(`tasks/act.py`) check under `guarded` and drain inside it; every plain drain (a `drain` action,
+the drain before a DCGM level 2-4 run, the drain while an approval is awaited) goes through
+`take_out_of_service` in `tasks/node_ops.py`, and `ensure_drained` refuses to run outside a
+`guarded` block. The slot is held once per transition: a `guarded` inside another (same thread
+or task) checks again without taking the slot a second time.
+
 The slot is taken with Prefect's lease API directly rather than `prefect.concurrency`: on the
 embedded (SQLite) server an acquisition that meets a concurrent write is answered 503, and
 Prefect's client waits a fixed 2 s before trying again. That wait sat between a fault and its
@@ -17,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from uuid import UUID
 
 import httpx
@@ -36,6 +44,8 @@ LEASE_SECONDS = 300.0  # far longer than a check and a provider call; a dead hol
 WAIT_SECONDS = 600.0
 BUSY = (423, 503)  # 423: another run holds the slot; 503: the server's database was busy
 _ensured: set[str] = set()
+# True while this context is inside a `guarded` block (holding the slot when run in a flow).
+_inside: ContextVar[bool] = ContextVar("medic_inside_guarded", default=False)
 
 
 async def ensure_limits() -> None:
@@ -50,7 +60,9 @@ async def ensure_limits() -> None:
 
 @contextmanager
 def guarded(rt: Runtime, node: str, decision: Decision) -> Iterator[tuple[str, str] | None]:
-    """Yield the guardrail the action would now break (None: go ahead) while holding the slot."""
+    """Yield the guardrail the action would now break (None: go ahead) while holding the slot.
+
+    Re-entrant: inside another `guarded` block the slot is already held, so only the check runs."""
 
     def recheck() -> tuple[str, str] | None:
         policy = rt.policy().policy
@@ -59,11 +71,23 @@ def guarded(rt: Runtime, node: str, decision: Decision) -> Iterator[tuple[str, s
         record_breaker_trip(rt, state, stopped, decision.incident)
         return stopped
 
-    if flow_run.id is None:  # called directly (tests, benchmarks): one process, nothing to race
+    if _inside.get():  # the slot is ours already: taking it again would wait on ourselves
         yield recheck()
         return
-    with node_actions_slot(UUID(flow_run.id)):
-        yield recheck()
+    token = _inside.set(True)
+    try:
+        if flow_run.id is None:  # called directly (tests, benchmarks): one process, nothing to race
+            yield recheck()
+            return
+        with node_actions_slot(UUID(flow_run.id)):
+            yield recheck()
+    finally:
+        _inside.reset(token)
+
+
+def inside_guarded() -> bool:
+    """Whether this context is inside a `guarded` block: the only place a node may be taken out."""
+    return _inside.get()
 
 
 class SlotUnavailable(MedicError, RuntimeError):

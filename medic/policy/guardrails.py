@@ -24,7 +24,7 @@ HOUR = timedelta(hours=1)
 class FleetState:
     now: datetime
     fleet_size: int | None = None  # unknown: only the count limits apply
-    out_of_service: frozenset[str] = frozenset()  # nodes out of service by us right now
+    out_of_service: frozenset[str] = frozenset()  # nodes counted toward max_out_of_service right now
     destructive_at: tuple[datetime, ...] = ()  # our destructive actions, any node
     last_destructive: Mapping[str, datetime] = field(default_factory=dict)  # per node
     taken_out_at: Mapping[str, datetime] = field(default_factory=dict)  # latest time each node went out
