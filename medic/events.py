@@ -7,11 +7,14 @@ at the door instead of deep inside a policy rule.
 
 from __future__ import annotations
 
-from datetime import datetime
+import json
+import math
+from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     ConfigDict,
@@ -23,6 +26,40 @@ from pydantic import (
 
 SCHEMA_VERSION = 1
 MAX_ATTRIBUTE_DEPTH = 32  # well below pydantic's serialization limit, so every accepted event can be written
+
+# The limits of docs/events.md#limits: what every store we write to can hold, checked at the door
+# so that a bad value is a rejection with a reason instead of an exception (or a lost batch) later.
+MIN_TIME = datetime(1970, 1, 1, tzinfo=UTC)  # inclusive
+MAX_TIME = datetime(2100, 1, 1, tzinfo=UTC)  # exclusive: fixed, so a replay decides as the first read did
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # SQLite INTEGER, PostgreSQL BIGINT
+MAX_ATTRIBUTE_ITEMS = 1000  # keys and list items, counted at every level
+MAX_ATTRIBUTE_KEY_LENGTH = 200
+MAX_ATTRIBUTES_BYTES = 64 * 1024  # as JSON: the most a line can carry
+
+
+def _sane_time(value: datetime) -> datetime:
+    try:
+        utc = value.astimezone(UTC)
+    except (OverflowError, ValueError):
+        raise ValueError(f"{value.isoformat()} is out of range: its UTC time is not representable") from None
+    if not MIN_TIME <= utc < MAX_TIME:
+        raise ValueError(
+            f"{value.isoformat()} is out of range: must be from {event_time(MIN_TIME)} to before "
+            f"{event_time(MAX_TIME)}"
+        )
+    return value
+
+
+def _int64(value: int) -> int:
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(_INT64_MESSAGE)
+    return value
+
+
+_INT64_MESSAGE = "integer out of range: must fit in signed 64 bits (-2**63 to 2**63-1)"
+
+EventTime = Annotated[AwareDatetime, AfterValidator(_sane_time)]
+Count = Annotated[NonNegativeInt, AfterValidator(_int64)]
 
 
 class EventKind(StrEnum):
@@ -130,16 +167,27 @@ class FaultEvent(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     id: str = Field(min_length=1, max_length=200, description="Unique; a repeated id is ignored.")
-    time: AwareDatetime = Field(description="When the fault happened (RFC 3339 with a UTC offset).")
+    time: EventTime = Field(description="When the fault happened (RFC 3339 with a UTC offset).")
     source: str = Field(min_length=1, max_length=200, description="Who saw it: agent, dcgm, slurm, job...")
     kind: EventKind
     node: str = Field(min_length=1, max_length=200)
-    gpu: NonNegativeInt | None = None
+    gpu: Count | None = None
     job: str | None = Field(default=None, max_length=200)
-    rank: NonNegativeInt | None = None
-    iteration: NonNegativeInt | None = None
+    rank: Count | None = None
+    iteration: Count | None = None
     switch: str | None = Field(default=None, max_length=200, description="Leaf switch or rack.")
     attributes: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_values(cls, data: Any) -> Any:
+        # Before pydantic sees them: a lone surrogate, an integer the store cannot hold or a
+        # NaN anywhere in the document (keys included) is refused, naming where it is.
+        if isinstance(data, dict):
+            problem = value_problem(data)
+            if problem:
+                raise ValueError(problem)
+        return data
 
     @model_validator(mode="after")
     def _check_attributes(self) -> FaultEvent:
@@ -151,7 +199,15 @@ class FaultEvent(BaseModel):
             typed = ATTRIBUTE_MODELS[self.kind].model_validate(self.attributes)
         except ValidationError as error:
             raise ValueError(describe_validation_error(error, prefix="attributes")) from None
-        object.__setattr__(self, "attributes", typed.model_dump(mode="json", exclude_none=True))
+        attributes = typed.model_dump(mode="json", exclude_none=True)
+        # Again after coercion: "99999999999999999999" was a string and is now an integer.
+        problem = value_problem(attributes, "attributes")
+        compact = json.dumps(attributes, ensure_ascii=False, separators=(",", ":"))
+        if problem is None and len(compact.encode()) > MAX_ATTRIBUTES_BYTES:
+            problem = f"attributes: larger than {MAX_ATTRIBUTES_BYTES} bytes as JSON"
+        if problem:
+            raise ValueError(problem)
+        object.__setattr__(self, "attributes", attributes)
         return self
 
     def typed_attributes(self) -> _Attributes:
@@ -169,6 +225,57 @@ def _too_deep(value: Any, limit: int) -> bool:
                 if depth + 1 > limit:
                     return True
                 stack.append((child, depth + 1))
+    return False
+
+
+def value_problem(value: Any, path: str = "") -> str | None:
+    """The first value inside `value` that no store can hold, as `where: why`; None if all is well.
+
+    Strings must be valid UTF-8 (no lone surrogate, which JSON's `"\\ud800"` decodes to),
+    integers must fit in signed 64 bits, numbers must be finite; `attributes` also has a limit on
+    its keys and items. Iterative, so no input can exhaust the stack.
+    """
+    items = 0
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if _has_surrogate(item):
+                return f"{where or 'value'}: not valid UTF-8 (contains a lone surrogate)"
+        elif isinstance(item, bool):
+            continue
+        elif isinstance(item, int):
+            if not INT64_MIN <= item <= INT64_MAX:
+                return f"{where or 'value'}: {_INT64_MESSAGE}"
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                return f"{where or 'value'}: number out of range: must be finite"
+        elif isinstance(item, dict | list):
+            in_attributes = where == "attributes" or where.startswith("attributes.")
+            if in_attributes:
+                items += len(item)
+                if items > MAX_ATTRIBUTE_ITEMS:
+                    return f"attributes: more than {MAX_ATTRIBUTE_ITEMS} keys and items"
+            pairs = item.items() if isinstance(item, dict) else enumerate(item)
+            for key, child in pairs:
+                inner = f"{where}.{key}" if where else str(key)
+                if isinstance(key, str):
+                    if _has_surrogate(key):
+                        return f"{where or 'a top-level'} key: not valid UTF-8 (contains a lone surrogate)"
+                    if in_attributes and len(key) > MAX_ATTRIBUTE_KEY_LENGTH:
+                        return f"{where}: a key is longer than {MAX_ATTRIBUTE_KEY_LENGTH} characters"
+                    inner = f"{where}.{key[:40]}" if where else key[:40]
+                stack.append((child, inner))
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
     return False
 
 

@@ -7,15 +7,19 @@ that names where it came from and why, and keeps the raw text so it can be fixed
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, NoReturn
 
 from pydantic import ValidationError
 
 from medic.events import FaultEvent, describe_validation_error
 
 MAX_LINE_BYTES = 64 * 1024
+RAW_KEPT = 1000  # characters of an over-long line kept in its rejection
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,17 +35,30 @@ class Rejection:
 
 
 def parse_line(raw: str, origin: str) -> FaultEvent | Rejection:
-    if len(raw.encode("utf-8", "replace")) > MAX_LINE_BYTES:
-        return Rejection(origin, raw[:1000], f"line longer than {MAX_LINE_BYTES} bytes")
+    """One line → an event, or a rejection saying why. Never raises (docs/events.md#limits)."""
+    try:
+        return _parse_line(raw, origin)
+    except Exception as error:  # a bug of ours must cost this line, not the file
+        return Rejection(
+            origin, _storable(raw)[:RAW_KEPT], f"cannot be read: {type(error).__name__}: {error}"
+        )
+
+
+def _parse_line(raw: str, origin: str) -> FaultEvent | Rejection:
+    if len(raw) > MAX_LINE_BYTES or len(raw.encode("utf-8", "replace")) > MAX_LINE_BYTES:
+        return Rejection(origin, _storable(raw[:RAW_KEPT]), f"line longer than {MAX_LINE_BYTES} bytes")
+    if _SURROGATE.search(raw):
+        # Only a caller's own decoding (surrogateescape) puts one here; files are decoded with U+FFFD.
+        return Rejection(origin, _storable(raw), "not valid UTF-8 (contains a lone surrogate)")
     if "\x00" in raw or "\\u0000" in raw:
         # PostgreSQL text cannot hold NUL: refuse it here rather than lose a whole batch later.
         return Rejection(origin, raw.replace("\x00", "\ufffd"), "contains a NUL character")
     try:
-        payload = json.loads(raw)
+        payload = json.loads(raw, parse_constant=_not_a_number)
     except json.JSONDecodeError as error:
         return Rejection(origin, raw, f"not JSON: {error.msg} at column {error.colno}")
     except (ValueError, RecursionError) as error:
-        # json raises these, not JSONDecodeError, for very deep nesting or an over-long integer.
+        # json raises these, not JSONDecodeError, for very deep nesting, an over-long integer or NaN.
         return Rejection(origin, raw, f"not JSON: {error}")
     if not isinstance(payload, dict):
         return Rejection(origin, raw, f"expected a JSON object, got {type(payload).__name__}")
@@ -49,6 +66,15 @@ def parse_line(raw: str, origin: str) -> FaultEvent | Rejection:
         return FaultEvent.model_validate(payload)
     except ValidationError as error:
         return Rejection(origin, raw, describe_validation_error(error))
+
+
+def _not_a_number(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _storable(text: str) -> str:
+    """`text` with any lone surrogate replaced (U+FFFD), so the dead letter itself can be written."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 @dataclass(slots=True)
@@ -82,7 +108,22 @@ def read_lines(lines: Iterable[str], name: str, seen: set[str] | None = None) ->
 def read_file(path: Path, seen: set[str] | None = None) -> Intake:
     # utf-8-sig: a byte-order mark from a Windows editor must not cost the first event.
     with path.open(encoding="utf-8-sig", errors="replace") as handle:
-        return read_lines(handle, str(path), seen)
+        return read_lines(bounded_lines(handle), str(path), seen)
+
+
+def bounded_lines(handle: IO[str], limit: int = MAX_LINE_BYTES) -> Iterator[str]:
+    """The lines of `handle`, but an over-long one is never held whole: its first `limit + 1`
+    characters stand for it (enough for `parse_line` to reject it), the rest is skipped. A file
+    of one 2 GB line costs memory for 64 KiB."""
+    while True:
+        line = handle.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not line.endswith(("\n", "\r")):
+            rest = line
+            while rest and not rest.endswith(("\n", "\r")):
+                rest = handle.readline(limit + 1)
+        yield line
 
 
 def iter_jsonl(events: Iterable[FaultEvent]) -> Iterator[str]:

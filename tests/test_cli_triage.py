@@ -280,3 +280,39 @@ def test_triage_does_not_import_prefect(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_unreadable_events_file_exits_2_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events = write(tmp_path / "events.jsonl", [ev("x-1", "xid", attributes={"code": 79})])
+
+    def denied(path: Path) -> Any:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("apps.cli.triage.read_file", denied)
+    result = runner.invoke(app, ["triage", str(events), "--json"])
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert f"error: cannot read {events}: Permission denied" in result.stderr
+
+
+def test_hostile_lines_are_rejected_and_the_rest_triaged(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    events.write_text(
+        "\n".join(
+            [
+                ev("x-1", "xid", node="gpu-001", attributes={"code": 79}),
+                ev("bad-1", "xid", attributes={"code": 79}).replace(
+                    '"2025-03-01T12:00:00Z"', '"0001-01-01T00:00:00+01:00"'
+                ),
+                ev("bad-2", "xid", gpu=2**63, attributes={"code": 79}),
+                ev("bad-3", "xid", attributes={"code": 79}).replace('"test"', '"\\ud800"'),
+                ev("x-2", "xid", node="gpu-002", attributes={"code": 79}),
+            ]
+        )
+    )
+    lines, result = triage_json(str(events))
+    assert [line["nodes"] for line in lines] == [["gpu-001"], ["gpu-002"]]
+    for number, why in [(2, "time: "), (3, "gpu: integer out of range"), (4, "source: not valid UTF-8")]:
+        assert f"rejected {events}:{number}: {why}" in result.stderr

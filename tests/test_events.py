@@ -228,6 +228,74 @@ def test_time_that_is_not_a_time_is_rejected(time: str) -> None:
     assert reason(payload(time=time)).startswith("time: ")
 
 
+@pytest.mark.parametrize(
+    ("time", "why"),
+    [
+        ("0001-01-01T00:00:00+01:00", "its UTC time is not representable"),
+        ("9999-12-31T23:59:59-01:00", "its UTC time is not representable"),
+        ("0001-01-01T00:00:00Z", "must be from 1970-01-01T00:00:00Z to before 2100-01-01T00:00:00Z"),
+        ("1969-12-31T23:59:59Z", "must be from 1970-01-01T00:00:00Z"),
+        ("1970-01-01T00:30:00+01:00", "must be from 1970-01-01T00:00:00Z"),  # 1969 in UTC
+        ("2100-01-01T00:00:00Z", "to before 2100-01-01T00:00:00Z"),
+        ("9999-12-31T23:59:59Z", "to before 2100-01-01T00:00:00Z"),
+    ],
+)
+def test_time_out_of_range_is_rejected_with_a_reason(time: str, why: str) -> None:
+    message = reason(payload(time=time))
+    assert message.startswith("time: ") and "is out of range" in message and why in message
+
+
+@pytest.mark.parametrize(
+    "time", ["1970-01-01T00:00:00Z", "1970-01-01T01:00:00+01:00", "2099-12-31T23:59:59Z"]
+)
+def test_time_range_edges_are_accepted(time: str) -> None:
+    assert FaultEvent.model_validate(payload(time=time)).time.year in (1970, 2099)
+
+
+@pytest.mark.parametrize("field", ["gpu", "rank", "iteration"])
+@pytest.mark.parametrize("value", [2**63, str(2**63), 10**30])
+def test_envelope_integers_must_fit_in_64_bits(field: str, value: Any) -> None:
+    assert reason(payload(**{field: value})) == (
+        f"{field}: integer out of range: must fit in signed 64 bits (-2**63 to 2**63-1)"
+    )
+    assert getattr(FaultEvent.model_validate(payload(**{field: 2**63 - 1})), field) == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    ("attributes", "message"),
+    [
+        ({"code": 79, "pci": 2**63}, "attributes.pci: integer out of range"),
+        ({"code": 79, "pci": [1, -(2**63) - 1]}, "attributes.pci.1: integer out of range"),
+        (
+            {"code": 79, "pci": {"bus": float("inf")}},
+            "attributes.pci.bus: number out of range: must be finite",
+        ),
+        (
+            {"code": 79, "message": "bad \ud800"},
+            "attributes.message: not valid UTF-8 (contains a lone surrogate)",
+        ),
+        ({"code": 79, "\udc80": 1}, "attributes key: not valid UTF-8 (contains a lone surrogate)"),
+        ({"code": 79, "k" * 201: 1}, "attributes: a key is longer than 200 characters"),
+        ({"code": 79, "x": list(range(1000))}, "attributes: more than 1000 keys and items"),
+        ({"code": 79, "x": "y" * (64 * 1024)}, "attributes: larger than 65536 bytes as JSON"),
+    ],
+)
+def test_attribute_values_the_store_cannot_hold_are_rejected(
+    attributes: dict[str, Any], message: str
+) -> None:
+    assert reason(payload("xid", attributes)).startswith(message)
+
+
+def test_ecc_count_coerced_from_a_string_is_checked_after_coercion() -> None:
+    assert reason(payload("ecc", {"dbe": str(2**64)})) == (
+        "attributes.dbe: integer out of range: must fit in signed 64 bits (-2**63 to 2**63-1)"
+    )
+
+
+def test_lone_surrogate_in_an_envelope_string_is_named() -> None:
+    assert reason(payload(node="gpu-\ud800")) == "node: not valid UTF-8 (contains a lone surrogate)"
+
+
 def test_time_with_offset_is_the_same_instant() -> None:
     utc = FaultEvent.model_validate(payload(time="2025-03-01T12:00:00Z"))
     plus_one = FaultEvent.model_validate(payload(time="2025-03-01T13:00:00+01:00"))

@@ -171,6 +171,51 @@ def test_over_long_line_in_a_file_does_not_stop_the_rest(tmp_path: Path) -> None
     assert len(intake.rejected[0].raw) == 1000
 
 
+def test_over_long_lines_keep_the_line_numbers_of_the_rest(tmp_path: Path) -> None:
+    # A line read in pieces is still one line: the numbers after it are the file's.
+    path = tmp_path / "e.jsonl"
+    path.write_text(
+        "x" * (3 * MAX_LINE_BYTES)
+        + "\n"
+        + line("ev-1")
+        + "\r\n"
+        + "y" * (MAX_LINE_BYTES + 1)
+        + "\r"
+        + line("ev-2")
+    )
+    intake = read_file(path)
+    assert [e.id for e in intake.events] == ["ev-1", "ev-2"]
+    assert [r.origin for r in intake.rejected] == [f"{path}:1", f"{path}:3"]
+    assert [len(r.raw) for r in intake.rejected] == [1000, 1000]
+
+
+def test_a_line_of_exactly_the_limit_is_read_whole(tmp_path: Path) -> None:
+    short = line("ev-1", source="s" * 10)
+    exact = short.replace('"ssssssssss"', '"' + "s" * (10 + MAX_LINE_BYTES - len(short)) + '"')
+    assert len(exact) == MAX_LINE_BYTES
+    path = write(tmp_path / "e.jsonl", exact, line("ev-2"))
+    intake = read_file(path)
+    assert intake.rejected[0].reason == "source: String should have at most 200 characters"  # parsed, not cut
+    assert [e.id for e in intake.events] == ["ev-2"]
+
+
+def test_a_lone_surrogate_in_the_raw_text_is_rejected_and_the_dead_letter_is_storable() -> None:
+    rejection = parse_line(line(source="agent").replace("agent", "agent\udc80"), "f:1")
+    assert isinstance(rejection, Rejection)
+    assert rejection.reason == "not valid UTF-8 (contains a lone surrogate)"
+    assert "agent\ufffd" in rejection.raw
+
+
+def test_parse_line_turns_an_unexpected_error_into_a_rejection(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*_: Any, **__: Any) -> Any:
+        raise OverflowError("date value out of range")
+
+    monkeypatch.setattr(FaultEvent, "model_validate", boom)
+    rejection = parse_line(line(), "f:9")
+    assert isinstance(rejection, Rejection)
+    assert str(rejection) == "f:9: cannot be read: OverflowError: date value out of range"
+
+
 def test_invalid_utf8_and_crlf_do_not_break_a_file(tmp_path: Path) -> None:
     path = tmp_path / "e.jsonl"
     path.write_bytes(

@@ -164,3 +164,49 @@ def test_sha256_changes_with_any_byte(tmp_path):
     after = load_policy(path).sha256
     assert before != after
     assert after == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --- the loader's limits (docs/policy.md#limits-of-the-loader; tests/test_hostile_input.py has the attacks)
+
+
+def test_aliases_a_policy_needs_are_still_read(tmp_path):
+    text = GOOD.replace("kinds: [nccl_timeout]", "kinds: &k [nccl_timeout]") + "description: *k\n"
+    (problem,) = problems_of(text, tmp_path)
+    assert problem.endswith("description: Input should be a valid string")  # read fine, then typed
+
+
+def test_undefined_alias_is_still_invalid_yaml(tmp_path):
+    (problem,) = problems_of(GOOD.replace("[nccl_timeout]", "*nowhere"), tmp_path)
+    assert problem == "6:14: invalid YAML: found undefined alias 'nowhere'"
+
+
+def test_non_utf8_byte_is_placed_at_its_line_and_column(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(GOOD.replace("A fine rule", "Caf\u00e9 rule").encode("latin-1"))
+    with pytest.raises(PolicyError) as caught:
+        load_policy(path)
+    (problem,) = caught.value.problems
+    assert str(problem) == f"{path}:4:21: not UTF-8 text: byte 0xe9 cannot be read (a binary file?)"
+
+
+def test_integer_of_30_digits_is_read_and_31_is_refused(tmp_path):
+    rule = GOOD + "    priority: {}\n"
+    assert parse_policy(rule.format("1" * 30), "p.yaml").rules[0].priority == int("1" * 30)
+    (problem,) = problems_of(rule.format("1" * 31), tmp_path)
+    assert problem == "11:15: integer of 31 digits; at most 30 (the limit for a policy file)"
+
+
+def test_quoted_long_numbers_are_strings_not_integers(tmp_path):
+    assert parse_policy(GOOD.replace("A fine rule", "'" + "9" * 5000 + "'"), "p.yaml").rules[0].description
+
+
+def test_a_window_beyond_a_year_is_refused_at_its_line(tmp_path):
+    # Accepted, it would overflow the datetime arithmetic when the rule is evaluated.
+    text = GOOD.replace(
+        "      kinds: [nccl_timeout]\n",
+        "      kinds: [nccl_timeout]\n      count:\n        - kinds: [xid]\n"
+        "          at_least: 2\n          within_minutes: 99999999999999999999999\n",
+    )
+    (problem,) = problems_of(text, tmp_path)
+    assert problem.startswith(f"{line_of(text, 'within_minutes')}:")
+    assert "rules.0.when.count.0.within_minutes: Input should be less than or equal to 525600" in problem

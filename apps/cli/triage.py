@@ -48,7 +48,13 @@ def triage(
 ) -> None:
     """Group events into incidents and decide on each, WITHOUT acting."""
     loaded = load_policy_or_exit(policy)
-    intake = read_file(events)
+    try:
+        intake = read_file(events)  # a bad line is a rejection; only an unreadable file stops here
+    except OSError as error:
+        err.print(
+            f"[red]error:[/red] cannot read {escape(str(events))}: {escape(error.strerror or str(error))}"
+        )
+        raise typer.Exit(2) from None
     report_rejections(intake)
     results = list(run_triage(intake.events, loaded, fleet_size))
     if as_json:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import timedelta
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -26,6 +26,11 @@ from medic.errors import PermanentError
 from medic.events import EventKind
 from medic.incidents import StormRule, Storms
 from medic.xid import RecoveryAction, Resolution
+
+# Windows, gaps and cooldowns are bounded: a duration of a year is already beyond any rule's
+# meaning, and a larger one would overflow the datetime arithmetic when the rule is evaluated.
+MAX_MINUTES = 525_600
+Minutes = Annotated[int, Field(gt=0, le=MAX_MINUTES)]
 
 
 class Action(StrEnum):
@@ -130,10 +135,10 @@ class CountCondition(Signature):
         description="What to count; `episodes` are bursts separated by more than episode_gap_minutes "
         "(a storm of one failure is one episode).",
     )
-    episode_gap_minutes: PositiveInt = 10
+    episode_gap_minutes: Minutes = 10
     same_iteration_rank: bool = False
     at_least: PositiveInt
-    within_minutes: PositiveInt = 60
+    within_minutes: Minutes = 60
 
 
 class SwitchCondition(_Strict):
@@ -147,7 +152,7 @@ class SwitchCondition(_Strict):
         le=1,
         description="Of the nodes under the switch; needs the switch's size (the scheduler's).",
     )
-    within_minutes: PositiveInt = 5
+    within_minutes: Minutes = 5
 
     @model_validator(mode="after")
     def _threshold(self) -> SwitchCondition:
@@ -264,17 +269,24 @@ class CircuitBreaker(_Strict):
 
     nodes_percent: float | None = Field(None, gt=0, le=100)
     nodes_at_least: PositiveInt | None = None
-    window_minutes: PositiveInt = 5
+    window_minutes: Minutes = 5
 
 
 class Guardrails(_Strict):
-    max_out_of_service: PositiveInt | None = Field(None, description="Nodes out of service by us at once.")
+    max_out_of_service: PositiveInt | None = Field(
+        None, description="Nodes out of service at once (see count_out_of_service_by_others)."
+    )
     max_out_of_service_percent: float | None = Field(
         None, gt=0, le=100, description="Of the fleet (rounded up, so a small fleet can still fix one node)."
     )
     max_destructive_per_hour: PositiveInt | None = Field(None, description="reset_gpu, reboot and replace.")
     node_cooldown_minutes: NonNegativeInt | None = Field(
-        None, description="Minimum time between two destructive actions on one node."
+        None, le=MAX_MINUTES, description="Minimum time between two destructive actions on one node."
+    )
+    count_out_of_service_by_others: bool = Field(
+        True,
+        description="max_out_of_service* counts every node the scheduler shows drained, down or rebooting, "
+        "for any reason (an admin, a health check, a crash); false: only the nodes GPU Medic took out.",
     )
     circuit_breaker: CircuitBreaker | None = None
     never_touch: list[str] = Field(
@@ -292,14 +304,14 @@ class Approvals(_Strict):
         default_factory=list,
         description="Actions that always need approval on this cluster (e.g. [replace]).",
     )
-    timeout_minutes: float = Field(60, gt=0)
+    timeout_minutes: float = Field(60, gt=0, le=MAX_MINUTES)
     on_timeout: Literal["escalate", "proceed"] = Field(
         "escalate", description="escalate: keep the node drained and hand it to humans."
     )
 
 
 class Defaults(_Strict):
-    incident_window_minutes: PositiveInt = 10
+    incident_window_minutes: Minutes = 10
     classification: Classification = Classification.UNKNOWN
     action: Action = Action.NONE
     max_diagnose_level: int = Field(4, ge=1, le=4)
