@@ -474,7 +474,9 @@ async def test_healthz_follows_the_database(tmp_path: Path) -> None:
         down = await client.get("/healthz")
     assert (ok.status_code, ok.json()) == (200, {"status": "ok"})
     assert down.status_code == 503
-    assert down.json()["status"] == "unavailable" and "not a database" in down.json()["error"]
+    # Unauthenticated: it says the store is down, never where the store is.
+    assert down.json() == {"status": "unavailable", "error": "the store does not answer (DatabaseError)"}
+    assert str(tmp_path) not in down.text
     store.close()
 
 
@@ -946,3 +948,37 @@ def test_sigterm_during_a_sentry_burst_stops_within_10_s_and_a_restart_finishes_
         restarted.wait(timeout=30)
     assert processes_with(home) == set()
     assert len(statuses) >= len(acknowledged)
+
+
+def test_a_token_in_the_query_string_never_reaches_the_access_log(tmp_path: Path) -> None:
+    port, log = free_port(), tmp_path / "serve.log"
+    env = os.environ | {
+        "MEDIC_DATABASE_URL": f"sqlite:///{tmp_path / 'medic.db'}",
+        "MEDIC_INGEST_TOKENS": TOKEN,
+    }
+    code = "import typer; from apps.cli.serve import serve; typer.run(serve)"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-c", code, "--port", str(port), "--log-level", "info"],
+            env=env,
+            stdout=out,
+            stderr=out,
+        )
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    httpx.get(f"http://127.0.0.1:{port}/healthz?token={TOKEN}&x", timeout=1)
+                    break
+                except httpx.HTTPError:
+                    assert time.monotonic() < deadline, "the server did not start"
+                    time.sleep(0.05)
+            body = ev("q-1")
+            httpx.post(f"http://127.0.0.1:{port}/v1/events?access_token={TOKEN}", json=body, headers=BEARER)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=15)
+    written = log.read_text()
+    assert "GET /healthz?token=***&x=***" in written
+    assert "POST /v1/events?access_token=***" in written
+    assert TOKEN not in written

@@ -219,7 +219,13 @@ def create_app(
         try:
             await anyio.to_thread.run_sync(store.ping)
         except Exception as error:  # any failure to reach the database is "unavailable"
-            return JSONResponse({"status": "unavailable", "error": str(error)}, status_code=503)
+            # The reason names the database's host, name or path: for the log, not for anyone
+            # who can reach this unauthenticated route.
+            log.warning("healthz: the store does not answer: %s", error)
+            return JSONResponse(
+                {"status": "unavailable", "error": f"the store does not answer ({type(error).__name__})"},
+                status_code=503,
+            )
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

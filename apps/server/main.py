@@ -15,7 +15,7 @@ from types import FrameType
 
 import uvicorn
 
-from apps.server import DEFAULT_HOST, DEFAULT_PORT, sentry
+from apps.server import DEFAULT_HOST, DEFAULT_PORT, redact, sentry
 from apps.server.app import OnAccepted, OnStart, create_app
 from apps.server.auth import HMAC_SECRET_ENV, TOKENS_ENV, credentials_from_env
 from apps.server.slack import SlackCallbacks
@@ -80,6 +80,7 @@ def serve(
         # for the switch interval (5 ms by default) whenever the event loop wants it: a webhook
         # needs several turns, so under 8 running flows a burst of 40 waited seconds. 1 ms.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
+        redact.install()  # after uvicorn.Config, which configures uvicorn's loggers
         _Server(config).run()
     finally:
         store.close()
