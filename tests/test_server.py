@@ -982,3 +982,42 @@ def test_a_token_in_the_query_string_never_reaches_the_access_log(tmp_path: Path
     assert "GET /healthz?token=***&x=***" in written
     assert "POST /v1/events?access_token=***" in written
     assert TOKEN not in written
+
+
+def _rss_kb(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+
+
+def _stream(total: int, chunk: int = 1 << 20) -> Iterator[bytes]:
+    block = b"x" * chunk
+    for _ in range(total // chunk):
+        yield block
+
+
+def _post_flood(url: str, headers: dict[str, str]) -> int | None:
+    """POST 512 MB; the status, or None when the server closed the connection after refusing."""
+    try:
+        return httpx.post(url, content=_stream(512 << 20), headers=headers, timeout=60).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def test_a_512_mb_post_to_slack_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/v1/slack/interactions"
+    env = {"SLACK_SIGNING_SECRET": "slack-signing-secret"}
+    with server_process(tmp_path / "medic.db", port, env) as process:
+        before = _rss_kb(process.pid)
+        unsigned = _post_flood(url, {"Content-Type": "application/x-www-form-urlencoded"})
+        fresh = {
+            "X-Slack-Request-Timestamp": str(int(time.time())),
+            "X-Slack-Signature": "v0=" + "0" * 64,
+            "Content-Type": "application/x-www-form-urlencoded",
+        }
+        signed_looking = _post_flood(url, fresh)
+        grown_mb = (_rss_kb(process.pid) - before) / 1024
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200
+    assert unsigned in (401, None)  # answered 401 before the body; the client may see the close
+    assert signed_looking in (413, None)  # read only up to 1 MiB
+    assert grown_mb < 64, f"serve grew by {grown_mb:.0f} MB"

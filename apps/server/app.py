@@ -26,7 +26,7 @@ from apps.server.auth import SIGNATURE_HEADER, Auth
 from apps.server.cloudevents import binary_headers
 from apps.server.decode import Decoded, Problem, decode
 from apps.server.metrics import IngestMetrics
-from apps.server.slack import SlackCallbacks
+from apps.server.slack import SlackCallbacks, refuse_early
 from apps.server.slack import handle as handle_slack
 from medic.events import FaultEvent
 from medic.store import Store
@@ -34,6 +34,7 @@ from medic.store import Store
 log = logging.getLogger("apps.server")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+SLACK_MAX_BODY_BYTES = 1024 * 1024  # an interaction payload is a few KB
 # At shutdown, queued batches are handed on for at most this long; the rest stay stored and
 # undispatched, and the next start hands them on (its backlog).
 HAND_ON_GRACE_S = 3.0
@@ -212,7 +213,16 @@ def create_app(
 
         @app.post("/v1/slack/interactions")
         async def slack_interactions(request: Request) -> Response:
-            return await handle_slack(request, slack)
+            # Refused before a byte of the body is read when it is unsigned or stale, and read
+            # only up to Slack's size: an unauthenticated flood never grows the service.
+            early = refuse_early(request)
+            if early is not None:
+                return early
+            try:
+                body = await _read_body(request, SLACK_MAX_BODY_BYTES)
+            except _Refused as refused:
+                return refused.response
+            return await handle_slack(request, body, slack)
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from integrations.slack.interactions import InteractionError, is_approver, parse_click
-from integrations.slack.signature import SignatureError, verify
+from integrations.slack.signature import SignatureError, check_headers, verify
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +32,16 @@ def _reply(text: str, status: int = 200) -> Response:
     )
 
 
-async def handle(request: Request, callbacks: SlackCallbacks) -> Response:
-    body = await request.body()
+def refuse_early(request: Request) -> Response | None:
+    """The 401 for a request that is not even signed or not fresh, given before its body is read."""
+    try:
+        check_headers(request.headers)
+    except SignatureError as error:
+        return _reply(f"request refused: {error}", 401)
+    return None
+
+
+async def handle(request: Request, body: bytes, callbacks: SlackCallbacks) -> Response:
     try:
         verify(body, request.headers)
     except SignatureError as error:

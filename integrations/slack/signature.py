@@ -40,12 +40,9 @@ def signing_secret(env: Mapping[str, str] | None = None) -> str:
     return secret
 
 
-def verify(
-    body: bytes, headers: Mapping[str, str], now: float | None = None, *, secret: str | None = None
-) -> None:
-    """Raises SignatureError unless `body` and `headers` are a request Slack signed with the app's signing
-    secret (`secret`, else SLACK_SIGNING_SECRET) less than MAX_AGE_S seconds before `now`."""
-    key = secret if secret is not None else signing_secret()
+def check_headers(headers: Mapping[str, str], now: float | None = None) -> dict[str, str]:
+    """Raises SignatureError unless the signature headers are there and the timestamp is fresh: what
+    can be refused before the body is read. Returns the headers with lower-case names."""
     lowered = {name.lower(): value for name, value in headers.items()}
     missing = [name for name in (TIMESTAMP_HEADER, SIGNATURE_HEADER) if not lowered.get(name)]
     if missing:
@@ -61,6 +58,18 @@ def verify(
             f"stale request: its timestamp is {abs(now - sent_at):.0f} s from now, more than {MAX_AGE_S} s "
             "(a replay, or clock skew)"
         )
+    return lowered
+
+
+def verify(
+    body: bytes, headers: Mapping[str, str], now: float | None = None, *, secret: str | None = None
+) -> None:
+    """Raises SignatureError unless `body` and `headers` are a request Slack signed with the app's signing
+    secret (`secret`, else SLACK_SIGNING_SECRET) less than MAX_AGE_S seconds before `now`."""
+    key = secret if secret is not None else signing_secret()
+    now = time.time() if now is None else now
+    lowered = check_headers(headers, now)
+    stamp = lowered[TIMESTAMP_HEADER]
     verifier = SignatureVerifier(key, clock=_FixedClock(now))
     if not verifier.is_valid(body=body, timestamp=stamp, signature=lowered[SIGNATURE_HEADER]):
         raise SignatureError("signature does not match the body: not from Slack, or altered on the way")
