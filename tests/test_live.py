@@ -195,7 +195,10 @@ def test_approve_in_slack_resumes_the_paused_run(
         WebClient(token=SLACK_TOKEN, base_url=slack_api.api_url, retry_handlers=[], timeout=5)
     )
     callbacks = SlackCallbacks(
-        approvers=lambda: runtime.policy().policy.approvals.approvers, resume=resume_flow_run
+        approvers=lambda: runtime.policy().policy.approvals.approvers,
+        resume=resume_flow_run,
+        claim=lambda i, approved, by: runtime.store.claim_answer(i, approved=approved, by=by, via="slack"),
+        reopen=runtime.store.reopen_approval,
     )
     client = client_for(slack=callbacks)
     client.post(
@@ -234,3 +237,8 @@ def test_approve_in_slack_resumes_the_paused_run(
     assert fleet.nodes["gpu-node-3"].boots == 1
     (approval,) = runtime.store.approvals(incident.id)
     assert (approval.approved, approval.by, approval.via) == (True, "U0ALICE", "slack")
+    # A Reject clicked a moment later is told the first answer stands.
+    late = slack_click(blocks, "U0ALICE", approve=False)
+    second = client.post("/v1/slack/interactions", content=late, headers=signed(late))
+    assert second.status_code == 200
+    assert "was already approved by U0ALICE; your click changed nothing" in second.json()["text"]

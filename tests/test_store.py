@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta, timezone
 from threading import Barrier
@@ -369,3 +370,33 @@ def test_sqlite_runs_in_wal_mode(sqlite_store: Store) -> None:
     with sqlite_store.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 10000
+
+
+def _answer_at_once(url: str, approved: bool, start: Any, results: Any) -> None:
+    store = Store(url)
+    start.wait()
+    _, won = store.claim_answer("inc-click", approved=approved, by=f"U{int(approved)}", via="slack")
+    results.put((approved, won))
+    store.close()
+
+
+def test_approve_and_reject_clicked_at_once_one_wins(store: Store) -> None:
+    store.request_approval("inc-click", "replace")
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(2), context.Queue()
+    clicks = [
+        context.Process(target=_answer_at_once, args=(store.url, v, start, results)) for v in (True, False)
+    ]
+    for process in clicks:
+        process.start()
+    for process in clicks:
+        process.join(60)
+        assert process.exitcode == 0
+    outcomes = dict(results.get(timeout=5) for _ in clicks)
+    assert sorted(outcomes.values()) == [False, True]
+    (request,) = store.approvals("inc-click")
+    winner = next(approved for approved, won in outcomes.items() if won)
+    assert (request.approved, request.by) == (winner, f"U{int(winner)}")
+    # Taken back (the run could not be told), the next answer may win.
+    store.reopen_approval(request.id or 0)
+    assert store.claim_answer("inc-click", approved=True, by="U9", via="slack")[1] is True

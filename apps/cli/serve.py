@@ -86,7 +86,14 @@ def _remediation(dispatch: Dispatch) -> tuple[LiveDispatcher, SlackCallbacks]:
     rt = current()
     dispatcher = LiveDispatcher(rt) if dispatch is Dispatch.LOCAL else DeployedDispatcher(rt)
     dispatcher.warm_up_in_background()  # Prefect's API starts now, not when the first fault arrives
-    slack = SlackCallbacks(approvers=lambda: rt.policy().policy.approvals.approvers, resume=resume_flow_run)
+    slack = SlackCallbacks(
+        approvers=lambda: rt.policy().policy.approvals.approvers,
+        resume=resume_flow_run,
+        claim=lambda incident, approved, by: rt.store.claim_answer(
+            incident, approved=approved, by=by, via="slack"
+        ),
+        reopen=rt.store.reopen_approval,
+    )
     return dispatcher, slack
 
 

@@ -17,12 +17,16 @@ from fastapi.responses import JSONResponse, Response
 
 from integrations.slack.interactions import InteractionError, is_approver, parse_click
 from integrations.slack.signature import SignatureError, check_headers, verify
+from medic.store.tables import ApprovalRecord
 
 
 @dataclass(frozen=True, slots=True)
 class SlackCallbacks:
     approvers: Callable[[], list[str]]  # read at each click: a policy edit applies at once
     resume: Callable[[UUID, dict[str, object]], None]  # prefect.flow_runs.resume_flow_run
+    # Store.claim_answer for (incident, approved, by): the first answer wins, atomically.
+    claim: Callable[[str, bool, str], tuple[ApprovalRecord | None, bool]]
+    reopen: Callable[[int], None]  # Store.reopen_approval: the answer could not reach the run
 
 
 def _reply(text: str, status: int = 200) -> Response:
@@ -56,10 +60,25 @@ async def handle(request: Request, body: bytes, callbacks: SlackCallbacks) -> Re
     if not is_approver(click, approvers):
         return _reply(f"{click.user_name} is not an approver for GPU Medic actions; nothing was changed")
     by = click.user_id if click.user_id in approvers else click.user_name
+    standing, won = await anyio.to_thread.run_sync(callbacks.claim, click.incident, click.approved, by)
+    if not won:
+        return _reply(_already(click.incident, standing))
     answer: dict[str, object] = {"approved": click.approved, "by": by, "via": "slack"}
     try:
         await anyio.to_thread.run_sync(callbacks.resume, UUID(click.flow_run), answer)
     except Exception as error:  # already answered, timed out, or Prefect unreachable: say so
+        if standing is not None and standing.id is not None:  # the next click may try again
+            await anyio.to_thread.run_sync(callbacks.reopen, standing.id)
         return _reply(f"could not answer incident {click.incident}: {error}")
     verdict = "approved" if click.approved else "rejected"
     return _reply(f"{verdict} by {click.user_name}: incident {click.incident} goes on")
+
+
+def _already(incident: str, standing: ApprovalRecord | None) -> str:
+    """What the second click is told: the first answer stands, and whose it was."""
+    if standing is None:
+        return f"incident {incident} is not waiting for approval; nothing was changed"
+    if standing.approved is None:
+        return f"incident {incident}: the request timed out ({standing.via}); your click changed nothing"
+    verdict = "approved" if standing.approved else "rejected"
+    return f"incident {incident} was already {verdict} by {standing.by}; your click changed nothing"

@@ -5,6 +5,7 @@ An answer of None (`approved=None`) is no answer: the request timed out.
 
 from __future__ import annotations
 
+from sqlalchemy import update
 from sqlmodel import col, select
 
 from medic.store.engine import StoreBase, utcnow
@@ -28,6 +29,38 @@ class ApprovalsMixin(StoreBase):
                 raise KeyError(row_id)
             row.answered_at, row.approved, row.by, row.via, row.comment = utcnow(), approved, by, via, comment
             s.add(row)
+            s.commit()
+
+    def claim_answer(
+        self, incident_id: str, *, approved: bool, by: str, via: str
+    ) -> tuple[ApprovalRecord | None, bool]:
+        """Answer the incident's open request, if it is still open: the first answer wins.
+
+        One conditional UPDATE, so two clicks at the same moment (two replicas, two people) give
+        one winner. Returns (the request as it now stands, True when this answer was the one
+        written); (None, False) when the incident has no request at all."""
+        with self.session() as s:
+            won = (
+                s.exec(
+                    update(ApprovalRecord)
+                    .where(col(ApprovalRecord.incident_id) == incident_id)
+                    .where(col(ApprovalRecord.answered_at).is_(None))
+                    .values(answered_at=utcnow(), approved=approved, by=by, via=via)
+                ).rowcount
+                > 0
+            )
+            s.commit()
+        requests = self.approvals(incident_id)
+        return (requests[-1] if requests else None), won
+
+    def reopen_approval(self, row_id: int) -> None:
+        """Take a claimed answer back, when it could not be delivered to the waiting run."""
+        with self.session() as s:
+            s.exec(
+                update(ApprovalRecord)
+                .where(col(ApprovalRecord.id) == row_id)
+                .values(answered_at=None, approved=None, by=None, via=None)
+            )
             s.commit()
 
     def approvals(self, incident_id: str) -> list[ApprovalRecord]:
