@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from medic.errors import PermanentError
 from medic.policy import Decision
-from medic.protocols import NodeState
+from medic.protocols import NodeInfo, NodeState
 from medic.statuses import ActionStatus
 from tasks.guard import guarded, inside_guarded
 from tasks.runtime import Runtime
@@ -57,10 +57,13 @@ def held_by_others(rt: Runtime, node: str) -> str | None:
 
     Such a node is never rebooted, replaced or reset by us: whoever took it out may be working on
     it, and a node Slurm marked down without answering needs someone at its console."""
-    info = rt.backends.scheduler.node(node)
+    return _holder(rt.backends.scheduler.node(node))
+
+
+def _holder(info: NodeInfo) -> str | None:
     if info.drained_by_medic or info.state not in (NodeState.DRAINED, NodeState.DOWN):
         return None
-    return f"{node} is {info.state.value} by others ({info.reason or 'no reason given'})"
+    return f"{info.name} is {info.state.value} by others ({info.reason or 'no reason given'})"
 
 
 def ensure_drained(rt: Runtime, incident_id: str, node: str, why: str) -> str:
@@ -72,9 +75,9 @@ def ensure_drained(rt: Runtime, incident_id: str, node: str, why: str) -> str:
     info = rt.backends.scheduler.node(node)
     if info.drained_by_medic:
         return f"{node} already drained by medic"
-    if info.state in (NodeState.DRAINED, NodeState.DOWN):
-        # Someone else took it out (an admin, a health check): leave their reason alone.
-        return f"{node} already {info.state.value} by others ({info.reason}); left as is"
+    holder = _holder(info)
+    if holder:  # leave their reason alone
+        return f"{holder}; left as is"
     key = f"{incident_id}:{node}:drain"
     _, fresh = rt.store.claim_action(key, incident_id, node, "drain")
     try:

@@ -382,19 +382,7 @@ JSON_VALUES = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=20,
 )
-EVENT_KEYS = [
-    "id",
-    "time",
-    "source",
-    "kind",
-    "node",
-    "gpu",
-    "job",
-    "rank",
-    "iteration",
-    "switch",
-    "attributes",
-]
+EVENT_KEYS = list(FaultEvent.model_fields)
 
 
 @st.composite

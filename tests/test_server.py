@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 from apps.server.app import create_app
 from apps.server.auth import sign
 from apps.server.emit import parse_attribute
+from apps.server.main import children_of
 from medic.events import FaultEvent
 from medic.policy import Decision
 from medic.statuses import ACTIVE_INCIDENT_STATUSES
@@ -747,15 +748,7 @@ def test_acknowledged_events_survive_kill_9_and_a_restart(tmp_path: Path) -> Non
 
 
 def children(pid: int) -> set[int]:
-    found = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[1]) == pid:
-            found.add(int(stat.parent.name))
-    return found
+    return set(children_of(pid))
 
 
 def test_sigterm_stops_the_service_and_its_embedded_prefect_server(tmp_path: Path) -> None:

@@ -113,7 +113,8 @@ def _stop_now(status: int) -> None:
     os._exit(status)
 
 
-def _children(pid: int) -> list[int]:
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -127,7 +128,7 @@ def _children(pid: int) -> list[int]:
 
 def _end_children(grace_s: float) -> None:
     """SIGTERM to every child process, SIGKILL to those still there after `grace_s`."""
-    children = _children(os.getpid())
+    children = children_of(os.getpid())
     for pid in children:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
