@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench import agent, flow_overhead, ingest, live, policy, report, sentry, triage
+from bench import agent, flow_overhead, hostile, ingest, live, policy, report, sentry, triage
 from medic.config import REPO_ROOT
 
 COMMAND = ".venv/bin/python -m bench"
@@ -22,6 +22,7 @@ BENCHMARKS: list[tuple[str, Callable[[], dict[str, Any]], Callable[[dict[str, An
     ("http ingest", ingest.run, ingest.section),
     ("live path", live.run, live.section),
     ("sentry", sentry.run, sentry.section),
+    ("hostile", hostile.run, hostile.section),
     ("node agent", agent.run, agent.section),
 ]
 

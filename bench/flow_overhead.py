@@ -101,7 +101,6 @@ def remediate_direct(incident_id: str, node: str) -> Any:
     from tasks.close import close
     from tasks.decide import decide_incident
     from tasks.diagnose import diagnose
-    from tasks.notify import notify, update
     from tasks.resume import resume_job
     from tasks.runtime import current
     from tasks.triage import triage
@@ -109,7 +108,8 @@ def remediate_direct(incident_id: str, node: str) -> Any:
 
     triaged = triage.fn(incident_id)
     decision, seen = triaged.decision, []
-    thread = notify.fn(_message(triaged, decision, f"Evidence: {_evidence(incident_id)}"))
+    notifier = current().backends.notifier  # the flow queues these for its notification worker
+    thread = notifier.post(_message(triaged, decision, f"Evidence: {_evidence(incident_id)}"))
     for _ in range(MAX_STEPS):  # diagnose_ladder
         if decision.action is not Action.DIAGNOSE or decision.diagnose_level is None:
             break
@@ -144,7 +144,7 @@ def remediate_direct(incident_id: str, node: str) -> Any:
     if verified:
         updates.append(verified.detail)
     for text in [*updates, f"Closed: {summary}"]:
-        update.fn(incident_id, thread, text)
+        notifier.reply(thread, text)
     close.fn(incident_id, summary, status=closing_status(acted, verified))
     detail = current().store.incident_detail(incident_id)
     if detail is not None:

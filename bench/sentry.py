@@ -76,18 +76,18 @@ async def _burst(url: str, round_no: int, size: int) -> list[tuple[float, int]]:
         await asyncio.gather(*(c.aclose() for c in clients))
 
 
-def server_env(directory: Path, nodes: int) -> dict[str, str]:
+def server_env(directory: Path, **settings: str) -> dict[str, str]:
+    """`medic serve`'s environment for a benchmark: simulated backends, a store and Prefect home of
+    its own under `directory`, the embedded Prefect API; `settings` on top."""
     env = {
         **os.environ,
         "MEDIC_DATABASE_URL": f"sqlite:///{directory / 'medic.db'}",
-        "MEDIC_SENTRY_CLIENT_SECRET": SECRET,
         "MEDIC_BACKENDS": "sim",
-        "MEDIC_SIM_NODES": str(nodes),  # a node of the simulated fleet for every webhook
-        "MEDIC_INGEST_TOKENS": "",
         "MEDIC_HOME": str(directory / "home"),
         "PREFECT_HOME": str(directory / "prefect"),
         "PREFECT_LOGGING_LEVEL": "ERROR",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        **settings,
     }
     env.pop("PREFECT_API_URL", None)
     return env
@@ -100,7 +100,12 @@ def run(burst: int = BURST, bursts: int = BURSTS) -> dict[str, Any]:
         log = (directory / "server.log").open("wb")
         server = subprocess.Popen(
             [*MEDIC_SERVE, "--port", url.rsplit(":", 1)[1], "--log-level", "warning"],
-            env=server_env(directory, burst * bursts + 1),
+            env=server_env(
+                directory,
+                MEDIC_SENTRY_CLIENT_SECRET=SECRET,
+                MEDIC_SIM_NODES=str(burst * bursts + 1),  # a node of the simulated fleet for every webhook
+                MEDIC_INGEST_TOKENS="",
+            ),
             cwd=REPO_ROOT,
             stdout=log,
             stderr=log,

@@ -2,11 +2,13 @@
 
 The run pauses (Prefect's pause with a RunInput), the owners get a message with Approve and
 Reject buttons; `medic serve` turns a click into `resume_flow_run(..., run_input=...)`, and the
-Prefect UI's resume form works the same way. Every request and answer goes into the store.
+Prefect UI's resume form works the same way. Every request and answer goes into the store, and
+the answer is replied in the request's thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from prefect import get_run_logger
@@ -17,12 +19,19 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from medic.policy import Action, Decision
-from medic.policy.model import DESTRUCTIVE
+from medic.policy.approvers import Approvers
+from medic.policy.model import DESTRUCTIVE, Approvals
 from medic.protocols import Message
 from medic.statuses import IncidentStatus
 from tasks.node_ops import take_out_of_service
-from tasks.runtime import current
+from tasks.notify import IncidentThread
+from tasks.runtime import Runtime, current
 from tasks.triage import Triage
+
+# How long the run waits for approver emails still being looked up, then for the approval
+# request to reach the chat, before it pauses anyway.
+APPROVERS_WAIT_S = 10.0
+REQUEST_WAIT_S = 30.0
 
 
 class Approval(RunInput):
@@ -59,46 +68,67 @@ async def await_approval(triaged: Triage, decision: Decision) -> ApprovalOutcome
             kept = f"\n{triaged.node} is kept in service while you decide: drain stopped by guardrail {name}: {why}."
     request = rt.store.request_approval(triaged.incident, action)
     rt.store.update_incident(triaged.incident, status=IncidentStatus.WAITING_FOR_APPROVAL)
+    approvers = await asyncio.to_thread(rt.approvers, APPROVERS_WAIT_S)
+    unresolved = "".join(f"\nApprover {problem}." for problem in approvers.problems)
     run_id = str(flow_run.id) if flow_run.id else None
-    try:
-        rt.backends.notifier.post(
-            Message(
-                incident=triaged.incident,
-                channel=triaged.channel,
-                title=f"Approval needed: {action} {triaged.node}",
-                body=f"Rule `{decision.rule}`: {decision.reason}\nNo answer within "
-                f"{approvals.timeout_minutes:g} min: {approvals.on_timeout}.{kept}",
-                recommend=tuple(decision.recommend),
-                fields={"node": triaged.node, "jobs": ", ".join(triaged.jobs), "owner": triaged.owner or ""},
-                approval_run=run_id,
-            )
+    ask = IncidentThread(
+        triaged.incident,
+        Message(
+            incident=triaged.incident,
+            channel=triaged.channel,
+            title=f"Approval needed: {action} {triaged.node}",
+            body=f"Rule `{decision.rule}`: {decision.reason}\nNo answer within "
+            f"{approvals.timeout_minutes:g} min: {approvals.on_timeout}.{kept}{unresolved}",
+            recommend=tuple(decision.recommend),
+            fields={"node": triaged.node, "jobs": ", ".join(triaged.jobs), "owner": triaged.owner or ""},
+            approval_run=run_id,
+        ),
+    )
+    if approvers.problems:
+        get_run_logger().warning("approvers not resolved: %s", "; ".join(approvers.problems))
+    # Sent before the run pauses; a chat outage must not decide: past the bound the request
+    # keeps being retried in the background, and the Prefect UI answers it meanwhile.
+    if not await ask.delivered(REQUEST_WAIT_S):
+        get_run_logger().warning(
+            "approval request not delivered within %g s; still trying, answer it in the Prefect UI",
+            REQUEST_WAIT_S,
         )
-    except Exception as error:  # the request still stands in the Prefect UI: a chat outage must not decide
-        get_run_logger().warning("approval request not delivered (%s); answer it in the Prefect UI", error)
+    outcome = await _answer(rt, request.id or 0, approvals, approvers, drain)
+    await ask.say(outcome.detail)
+    return outcome
+
+
+async def _answer(
+    rt: Runtime, request_id: int, approvals: Approvals, approvers: Approvers, drain: str | None
+) -> ApprovalOutcome:
+    """Pause for the answer and record it."""
     try:
         answer = await pause_flow_run(
             wait_for_input=Approval,
             timeout=max(1, round(approvals.timeout_minutes * 60)),
             poll_interval=_poll_seconds(),
-            key=f"approval-{request.id}",
+            key=f"approval-{request_id}",
         )
     except FlowPauseTimeout:
         proceed = approvals.on_timeout == "proceed"
-        rt.store.answer_approval(request.id or 0, approved=None, by=None, via="timeout")
+        rt.store.answer_approval(request_id, approved=None, by=None, via="timeout")
         return ApprovalOutcome(
             approved=proceed,
             detail=f"no answer within {approvals.timeout_minutes:g} min: {approvals.on_timeout}",
             drain=drain,
         )
-    if approvals.approvers and answer.by not in approvals.approvers:
+    # A Slack click arrives with the clicking user's id; the Prefect UI's form may give the id
+    # or the email as listed. A display name is never enough.
+    allowed = approvers.ids | set(approvals.approvers)
+    if approvals.approvers and answer.by not in allowed:
         rt.store.answer_approval(
-            request.id or 0, approved=False, by=answer.by, via=answer.via, comment="not an approver"
+            request_id, approved=False, by=answer.by, via=answer.via, comment="not an approver"
         )
         return ApprovalOutcome(
             approved=False, detail=f"{answer.by} is not an approver; treated as rejected", drain=drain
         )
     rt.store.answer_approval(
-        request.id or 0, approved=answer.approved, by=answer.by, via=answer.via, comment=answer.comment
+        request_id, approved=answer.approved, by=answer.by, via=answer.via, comment=answer.comment
     )
     verdict = "approved" if answer.approved else "rejected"
     return ApprovalOutcome(

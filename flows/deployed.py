@@ -19,7 +19,11 @@ log = logging.getLogger("medic.deployed")
 
 class DeployedDispatcher(LiveDispatcher):
     async def start(self, incident: Incident) -> None:
-        """Nothing to run here: the `medic.incident.opened` event already went out when it opened."""
+        """Nothing to run here: the `medic.incident.opened` event already went out when it opened.
+
+        Its run is the deployment's (Prefect retries it), so this process stops renewing the lease
+        it opened the incident under; a service with `--dispatch prefect` picks up nothing."""
+        self.leases.release(incident.id)
         log.info(
             "incident %s on %s opened; the deployment's trigger starts its flow run",
             incident.id,

@@ -14,7 +14,8 @@ from pydantic import BaseModel
 
 from medic.policy import Action, Decision
 from tasks.decide import decide_incident
-from tasks.diagnose import LEVEL_BUDGET_S, diagnose
+from tasks.diagnose import LEVEL_BUDGET_S, DiagnosticOutcome, diagnose
+from tasks.resume import MOVE_WAIT_S
 from tasks.runtime import current
 
 MAX_STEPS = 4
@@ -38,24 +39,13 @@ async def diagnose_ladder(incident_id: str, node: str, decision: Decision) -> La
             break
         level = decision.diagnose_level
         # Each level has its own hard budget: a hung DCGM run must not hold the incident forever.
-        budgeted = diagnose.with_options(timeout_seconds=LEVEL_BUDGET_S[level] + 60)
+        # From level 2 on it also covers moving the node's jobs off first.
+        moving = MOVE_WAIT_S if level >= 2 else 0
+        budgeted = diagnose.with_options(timeout_seconds=LEVEL_BUDGET_S[level] + moving + 60)
         result = budgeted(incident_id, node, level)
-        if result.guardrail:
-            # The drain for this level was refused at the last check: nothing ran, the node is as it was.
-            seen.append(f"L{level} not run (guardrail {result.guardrail})")
-            stopped = decision.model_copy(
-                update={
-                    "action": Action.ESCALATE,
-                    "diagnose_level": None,
-                    "guardrail": result.guardrail,
-                    "blocked_action": Action.DIAGNOSE,
-                    "reason": f"{decision.reason}; diagnose stopped by guardrail {result.guardrail} "
-                    f"at the last check: {result.detail}",
-                }
-            )
-            rt = current()
-            rt.store.add_decision(stopped, rt.policy().path)  # the audit names the guardrail
-            return LadderResult(decision=stopped, seen=seen)
+        if result.result == "stopped":
+            seen.append(f"L{level} not run ({_not_run_why(result)})")
+            return LadderResult(decision=_stopped(decision, result), seen=seen)
         errors = f" ({', '.join(result.error_ids)})" if result.error_ids else ""
         seen.append(f"L{result.level} {result.result}{errors}")
         if result.result == "error":
@@ -69,3 +59,29 @@ async def diagnose_ladder(incident_id: str, node: str, decision: Decision) -> La
             return LadderResult(decision=escalated, seen=seen)
         decision = decide_incident(incident_id)
     return LadderResult(decision=decision, seen=seen)
+
+
+def _not_run_why(result: DiagnosticOutcome) -> str:
+    return f"guardrail {result.guardrail}" if result.guardrail else "a job still on the node"
+
+
+def _stopped(decision: Decision, result: DiagnosticOutcome) -> Decision:
+    """Escalate a level that did not run, and record why: the audit names the guardrail that refused
+    the drain, or the job that could not be moved off the drained node."""
+    why = (
+        f"diagnose stopped by guardrail {result.guardrail} at the last check: {result.detail}"
+        if result.guardrail
+        else f"diagnose not run, node held out of service: {result.detail}"
+    )
+    stopped = decision.model_copy(
+        update={
+            "action": Action.ESCALATE,
+            "diagnose_level": None,
+            "guardrail": result.guardrail,
+            "blocked_action": Action.DIAGNOSE,
+            "reason": f"{decision.reason}; {why}",
+        }
+    )
+    rt = current()
+    rt.store.add_decision(stopped, rt.policy().path)
+    return stopped

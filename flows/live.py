@@ -1,11 +1,17 @@
 """The warm path: events `medic serve` has stored become incidents and flow runs in this process.
 
-A new event joins its node's incident while that incident is still being handled (its
-switch's, for a switch-wide storm, even once handled) and the event falls within the
-policy's window, so the running flow sees the new evidence at its next decision instead of
-a second flow run starting. Everything else is correlated into new incidents, each
-remediated by its own flow run on a worker thread (flows run sync tasks; the service's
-event loop must stay free to acknowledge events).
+A new event joins its node's incident while that incident is still being handled, by this
+process or another replica (the store keeps one active incident per node), so the running flow
+sees the new evidence at its next decision instead of a second flow run starting. A switch-wide
+storm's events join its switch's incident even once it was handled, while the storm goes on
+within the policy's window. Everything else is correlated into new incidents, each remediated by
+its own flow run on a worker thread (flows run sync tasks; the service's event loop must stay
+free to acknowledge events).
+
+Each run holds its incident's lease (flows/leases.py). Every `pickup_every` seconds, and at
+start, the service claims the incidents still being handled that no live run holds (a replica
+or a predecessor killed mid-run) and runs them again from their last recorded step, after
+settling the node actions a crash left without an outcome (tasks/reconcile.py).
 
 Events a policy `switch` condition counts (collective timeouts, say) are held for
 `defaults.storm_hold_seconds` first: the first node to report a switch failure reports it
@@ -25,22 +31,25 @@ from typing import Any
 
 import anyio
 
-from flows.dispatch import remediate_one
+from flows.dispatch import remediate_one, stored
+from flows.leases import Leases, runner_name
 from medic.events import FaultEvent
-from medic.incidents import Incident, Scope, Storms, correlate
+from medic.incidents import Incident, Storms, correlate
 from medic.statuses import ACTIVE_INCIDENT_STATUSES, TERMINAL_INCIDENT_STATUSES
 from medic.store.tables import IncidentRecord
 from tasks import prefect_events
 from tasks.evidence import storms
 from tasks.guard import ensure_limits
+from tasks.reconcile import reconcile_intents
 from tasks.runtime import Runtime
 
 log = logging.getLogger("medic.live")
 
 
 class LiveDispatcher:
-    def __init__(self, rt: Runtime, max_concurrent: int = 8) -> None:
+    def __init__(self, rt: Runtime, leases: Leases | None = None, max_concurrent: int = 8) -> None:
         self.rt = rt
+        self.leases = leases if leases is not None else Leases(rt.store, runner_name("live"))
         self._limiter = anyio.CapacityLimiter(max_concurrent)
         self._tasks: set[asyncio.Task[None]] = set()
         self._held: dict[str, list[FaultEvent]] = {}
@@ -68,13 +77,38 @@ class LiveDispatcher:
                 self._hold(event, policy.defaults.storm_hold_seconds)
 
     async def start(self, incident: Incident) -> None:
-        """Remediate one new incident: here, a flow run in this process."""
+        """Remediate one incident whose lease this process holds: here, a flow run in this process."""
         if self._warming is not None:
             await anyio.to_thread.run_sync(self._warming.join)
         try:
             await anyio.to_thread.run_sync(_run_flow, self.rt, incident, limiter=self._limiter)
         except Exception:  # one incident's failure must not stop the service
             log.exception("remediation of %s failed", incident.id)
+        finally:
+            self.leases.release(incident.id)
+
+    async def pickup(self) -> int:
+        """Run every incident still being handled that no live run holds; returns how many.
+
+        Its node actions that a crash left without an outcome are settled first, from the
+        provider's record (tasks/reconcile.py), so the run knows what was done."""
+        claimed = [stored(record) for record in await anyio.to_thread.run_sync(self.leases.pickup)]
+        if claimed:
+            ids = {incident.id for incident in claimed}
+            for line in await anyio.to_thread.run_sync(reconcile_intents, self.rt, ids):
+                log.info("reconciled %s", line)
+        for incident in claimed:
+            log.warning("picking up incident %s on %s: no live run held it", incident.id, incident.node)
+            self._spawn(lambda incident=incident: self.start(incident))
+        return len(claimed)
+
+    async def pickup_forever(self, every_s: float) -> None:
+        while True:
+            try:
+                await self.pickup()
+            except Exception:  # the store or a provider is down: try again next time
+                log.exception("picking up orphaned incidents failed")
+            await asyncio.sleep(every_s)
 
     async def drain(self) -> None:
         """Wait for held events and the flow runs started so far (tests, shutdown)."""
@@ -100,54 +134,62 @@ class LiveDispatcher:
 
     async def _open(self, events: list[FaultEvent]) -> None:
         async with self._correlating:  # a release and a new batch must not both open an incident
-            incidents = await anyio.to_thread.run_sync(self._correlate, events)
+            # Abandoned, not awaited, when the service stops: the events are stored already and the
+            # next start takes them up again, while waiting here (on a Prefect API that is starting
+            # or gone) would hold the shutdown past its 10 s.
+            incidents = await anyio.to_thread.run_sync(self._correlate, events, abandon_on_cancel=True)
         for incident in incidents:
             self._spawn(lambda incident=incident: self.start(incident))
 
     def _correlate(self, events: list[FaultEvent]) -> list[Incident]:
+        """Open (or join) the incidents for these events; returns those this process now runs."""
         policy = self.rt.policy().policy
         window = timedelta(minutes=policy.defaults.incident_window_minutes)
         current = policy.storms()
         if any(current.counts(e) for e in events):
             current = storms(self.rt)  # the scheduler's switch sizes, asked only when they matter
-        fresh = self._join_active(events, window, current)
-        incidents = correlate(fresh, window, current)
-        self.rt.store.attach_events(incidents)
-        for incident in incidents:
-            self.rt.store.open_incident(incident)
-            prefect_events.incident_opened(incident)
-        return incidents
+        fresh = self._join_storms(events, window, current)
+        mine = []
+        for incident in correlate(fresh, window, current):
+            row, opened = self.rt.store.open_or_join(
+                incident, runner=self.leases.runner, lease_s=self.leases.lease_s
+            )
+            if opened:
+                self.leases.hold(row.id)
+                prefect_events.incident_opened(incident)
+                mine.append(incident)
+            elif self.leases.claim(row.id):
+                # It joined an incident whose run died: new evidence never waits on a dead run.
+                mine.append(stored(row))
+        return mine
 
-    def _join_active(self, events: list[FaultEvent], window: timedelta, current: Storms) -> list[FaultEvent]:
-        """Attach events to the incidents being handled that they belong to; return the rest."""
-        switches = {e.switch for e in events if current.counts(e)}
-        storming = {s for s in switches if s and self._active(s, "switch") is not None}
-        by_subject: dict[tuple[Scope, str], list[FaultEvent]] = defaultdict(list)
-        for event in sorted(events, key=lambda e: (e.time, e.id)):
-            switch_wide = current.counts(event) and event.switch in storming
-            by_subject[("switch", event.switch or "") if switch_wide else ("node", event.node)].append(event)
+    def _join_storms(self, events: list[FaultEvent], window: timedelta, current: Storms) -> list[FaultEvent]:
+        """Attach a storm's events to its switch's incident while the storm goes on; return the rest."""
+        switches = {e.switch for e in events if current.counts(e) and e.switch}
+        storming = {s: found for s in switches if (found := self._switch_incident(s)) is not None}
+        by_switch: dict[str, list[FaultEvent]] = defaultdict(list)
         fresh: list[FaultEvent] = []
-        for (scope, subject), found in by_subject.items():
-            active = self._active(subject, scope)
-            joined = _within(found, active.last_event_at, window) if active is not None else []
-            if active is not None and joined:
-                extra = Incident(id=active.id, node=subject, events=joined, scope=scope)
+        for event in sorted(events, key=lambda e: (e.time, e.id)):
+            if current.counts(event) and event.switch in storming:
+                by_switch[event.switch].append(event)
+            else:
+                fresh.append(event)
+        for switch, found in by_switch.items():
+            active = storming[switch]
+            joined = _within(found, active.last_event_at, window)
+            if joined:
+                extra = Incident(id=active.id, node=switch, events=joined, scope="switch")
                 self.rt.store.attach_events([extra])
                 self.rt.store.open_incident(extra)
             joined_ids = {e.id for e in joined}
             fresh.extend(e for e in found if e.id not in joined_ids)
-        return fresh
+        return sorted(fresh, key=lambda e: (e.time, e.id))
 
-    def _active(self, subject: str, scope: Scope) -> IncidentRecord | None:
-        # A node's closed incident means the node was dealt with: its next fault is new trouble.
+    def _switch_incident(self, switch: str) -> IncidentRecord | None:
         # A switch's storm goes on after its incident is handed to the network team; until it
         # has been quiet for a window, more of it is more evidence, not a second incident.
-        statuses = (
-            ACTIVE_INCIDENT_STATUSES
-            if scope == "node"
-            else ACTIVE_INCIDENT_STATUSES | TERMINAL_INCIDENT_STATUSES
-        )
-        return self.rt.store.find_active_incident(subject, statuses, scope)
+        statuses = ACTIVE_INCIDENT_STATUSES | TERMINAL_INCIDENT_STATUSES
+        return self.rt.store.find_active_incident(switch, statuses, "switch")
 
 
 def _within(events: list[FaultEvent], last: datetime, window: timedelta) -> list[FaultEvent]:

@@ -1,7 +1,9 @@
 """The remediation flow: one run per incident.
 
 triage → diagnose (DCGM ladder, re-deciding after each level) → decide → act → resume job →
-verify/reintegrate → notify → close. Every stage writes to the store; the run is tagged with
+verify/reintegrate → notify → close. The node's jobs are moved off it before anything stresses or
+resets it (a level 2-4 diagnostic, a destructive action), so `resume job` only waits on those
+(docs/decisions/0008-job-off-node.md). Every stage writes to the store; the run is tagged with
 node, job, owner, classification and action, and carries a markdown audit artifact, so the
 Prefect UI's run history reads as an audit on its own.
 """
@@ -27,7 +29,7 @@ from tasks.close import close
 from tasks.decide import decide_incident
 from tasks.guard import ensure_limits
 from tasks.notify import IncidentThread
-from tasks.resume import ResumeOutcome, resume_job
+from tasks.resume import ResumeOutcome, moved_jobs, resume_job
 from tasks.runtime import current
 from tasks.stage import stage
 from tasks.triage import Triage, triage
@@ -105,6 +107,14 @@ def _message(triaged: Triage, decision: Decision, summary: str) -> Message:
             "flow run": _run_name() if flow_run.id else "",
         },
     )
+
+
+def _jobs_to_resume(incident_id: str, triaged: Triage, acted: ActOutcome) -> list[str]:
+    """The incident's jobs when the act took the node out, and every job a diagnostic or the act moved
+    off it already, whatever the act did (failed, escalated): those are waited on, not requeued again."""
+    wanted = triaged.jobs if acted.took_node_out else []
+    moved = moved_jobs(current(), incident_id)
+    return list(dict.fromkeys([*wanted, *moved]))
 
 
 def closing_status(acted: ActOutcome, verified: VerifyOutcome | None) -> IncidentStatus:
@@ -206,14 +216,13 @@ async def remediate(incident_id: str, node: str) -> Outcome:
     await _tag_run(triaged, decision)
 
     resumed = None
-    if acted.took_node_out:
-        for job in triaged.jobs:
-            job_state: State[ResumeOutcome] = resume_job(incident_id, job, [node], return_state=True)
-            if job_state.is_completed():
-                resumed = await job_state.result()
-                await thread.say(resumed.describe().capitalize())
-            else:
-                logger.error("job %s did not resume: %s", job, job_state.message)
+    for job in _jobs_to_resume(incident_id, triaged, acted):
+        job_state: State[ResumeOutcome] = resume_job(incident_id, job, [node], return_state=True)
+        if job_state.is_completed():
+            resumed = await job_state.result()
+            await thread.say(resumed.describe().capitalize())
+        else:
+            logger.error("job %s did not resume: %s", job, job_state.message)
 
     verified = None
     if acted.status == ActStatus.DONE and decision.action in DESTRUCTIVE:
@@ -229,4 +238,5 @@ async def remediate(incident_id: str, node: str) -> Outcome:
         await create_markdown_artifact(
             markdown=incident_markdown(detail), key=incident_id, description=summary
         )
+    await thread.flush()  # the one wait on chat, bounded (tasks/notify.py FLUSH_S), after all else
     return outcome_of(incident_id, node, decision, acted, resumed, verified, seen, thread.ok, summary)

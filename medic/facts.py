@@ -17,6 +17,10 @@ from medic.events import EventKind, FaultEvent
 from medic.incidents import Incident
 
 HISTORY_WINDOW = timedelta(days=7)
+# Recorded `remediation` actions that leave a node out of service, and those that return it.
+TAKES_OUT = frozenset({"drain", "reset_gpu", "reboot", "replace"})
+RETURNS = frozenset({"resume", "reintegrate"})
+OUR_SOURCE = "medic"  # the source of the events GPU Medic writes about its own actions
 # health_check `check` names the agent gives NVSwitch SXids and NVLink error counters (docs/xid.md).
 SXID_CHECK = "nvswitch_sxid"
 NVLINK_ERRORS_CHECK = "nvlink_errors"
@@ -173,6 +177,22 @@ def facts_of(
         sxids=frozenset(sxids),
         sxid_severities=frozenset(sxid_severities),
     )
+
+
+def taken_out_by_us(history: Iterable[FaultEvent]) -> bool:
+    """Whether a node's recorded remediations (oldest first) leave it out of service by us: its last
+    one that takes it out or returns it is a drain, reset, reboot or replacement of ours (source
+    `medic`), however long ago. The replayed counterpart of a node the scheduler shows drained by us:
+    a passing diagnostic then reintegrates it. Anyone's resume returns it; someone else's drain
+    after ours makes it theirs."""
+    out = False
+    for event in history:
+        action = event.attributes.get("action")
+        if action in RETURNS:
+            out = False
+        elif action in TAKES_OUT:
+            out = event.source == OUR_SOURCE
+    return out
 
 
 def _recovery_action(attrs: dict[str, object]) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,9 @@ from medic.events import FaultEvent, describe_validation_error
 
 MAX_LINE_BYTES = 64 * 1024
 RAW_KEPT = 1000  # characters of an over-long line kept in its rejection
+# A flood of bad lines must cost the dead letter a sample, not a row per line
+# (docs/events.md#rejected-lines-dead-letters): kept verbatim per request or file; the rest counted.
+DEAD_LETTER_SAMPLE = 100
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -54,7 +58,7 @@ def _parse_line(raw: str, origin: str) -> FaultEvent | Rejection:
         # PostgreSQL text cannot hold NUL: refuse it here rather than lose a whole batch later.
         return Rejection(origin, raw.replace("\x00", "\ufffd"), "contains a NUL character")
     try:
-        payload = json.loads(raw, parse_constant=_not_a_number)
+        payload = _DECODER.decode(raw)
     except json.JSONDecodeError as error:
         return Rejection(origin, raw, f"not JSON: {error.msg} at column {error.colno}")
     except (ValueError, RecursionError) as error:
@@ -68,8 +72,81 @@ def _parse_line(raw: str, origin: str) -> FaultEvent | Rejection:
         return Rejection(origin, raw, describe_validation_error(error))
 
 
+_POSITION = re.compile(r"\d+|\[\d+\]")  # a line number, or an index into a JSON array
+
+
+def rejection_source(origin: str) -> str:
+    """Where a rejection came from, without its line or index: `http:10.0.0.7:12` → `http:10.0.0.7`."""
+    head, _, position = origin.rpartition(":")
+    return head if head and _POSITION.fullmatch(position) else origin
+
+
+# Reasons by their first words; every other reason is classed by the envelope field it names.
+_REASON_PREFIXES = (
+    ("line longer than", "too long"),
+    ("not JSON", "not JSON"),
+    ("expected a ", "not an object"),
+    ("contains a NUL", "NUL"),
+    ("not valid UTF-8", "not UTF-8"),
+    ("cannot be read", "unreadable"),
+)
+_FIELD = re.compile(r"[a-z_]+")
+_FIELDS = frozenset(FaultEvent.model_fields)
+
+
+def reason_class(reason: str) -> str:
+    """A reason in a few words, for counting rejections: bounded, whatever keys a flood invents.
+
+    `too long`, `not JSON`, `not an object`, `NUL`, `not UTF-8`, `unreadable`, `unknown field`, the
+    envelope field that failed first (`time`, `attributes`, ...), else `other`.
+    """
+    for prefix, name in _REASON_PREFIXES:
+        if reason.startswith(prefix):
+            return name
+    first = reason.split("; ", 1)[0]
+    if first.endswith("Extra inputs are not permitted"):
+        return "unknown field"
+    found = _FIELD.match(first)
+    return found[0] if found and found[0] in _FIELDS else "other"
+
+
+@dataclass(slots=True)
+class RejectionSample:
+    """Rejections as the dead letter takes them: the first `limit` verbatim, every one counted by
+    source and reason class. A flood costs `limit` rows and a few counters; `total` says how big it was."""
+
+    limit: int = DEAD_LETTER_SAMPLE
+    kept: list[Rejection] = field(default_factory=list)
+    counts: Counter[tuple[str, str]] = field(default_factory=Counter)  # (source, reason class)
+    total: int = 0
+
+    def __len__(self) -> int:
+        return self.total
+
+    def add(self, rejection: Rejection) -> bool:
+        """Count `rejection`, and keep it while the sample has room: True when kept."""
+        self.total += 1
+        self.counts[rejection_source(rejection.origin), reason_class(rejection.reason)] += 1
+        if len(self.kept) >= self.limit:
+            return False
+        self.kept.append(rejection)
+        return True
+
+    @classmethod
+    def of(cls, rejections: Iterable[Rejection], limit: int = DEAD_LETTER_SAMPLE) -> RejectionSample:
+        sample = cls(limit)
+        for rejection in rejections:
+            sample.add(rejection)
+        return sample
+
+
 def _not_a_number(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON number")
+
+
+# One decoder for every line: `json.loads` with an option builds a new one per call, which a
+# flood refused line by line pays hundreds of thousands of times.
+_DECODER = json.JSONDecoder(parse_constant=_not_a_number)
 
 
 def _storable(text: str) -> str:

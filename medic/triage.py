@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from medic.context import Context
 from medic.events import FaultEvent
-from medic.facts import Facts, facts_of
+from medic.facts import Facts, facts_of, taken_out_by_us
 from medic.incidents import Incident, correlate
 from medic.policy import LoadedPolicy, decide, guardrails
 from medic.policy.guardrails import HOUR, FleetState, takes_node_out
@@ -108,7 +108,10 @@ def replay(
     window = timedelta(minutes=policy.defaults.incident_window_minutes)
     for incident in correlate(events, window, policy.storms()):
         now = incident.last_at
-        facts = facts_of(incident, out_of_service=incident.node in fleet.out_of_service, context=context)
+        # Out of service as the earlier decisions would have left it, or as the input records it:
+        # a drain or reboot of ours that nothing returned, as the live path reads the scheduler.
+        out = incident.node in fleet.out_of_service or taken_out_by_us(incident.history)
+        facts = facts_of(incident, out_of_service=out, context=context)
         decision = guardrails.apply(
             policy.guardrails,
             fleet.state(now, incident.opened_at),

@@ -12,6 +12,7 @@ from medic.store.tables import ActionRecord
 from tasks import prefect_events
 from tasks.guard import guarded
 from tasks.node_ops import ensure_drained, held_by_others, resume_node, take_out_of_service
+from tasks.resume import JobsOff, move_jobs_off
 from tasks.retry import transient_only
 from tasks.runtime import Runtime, current
 from tasks.stage import stage
@@ -42,6 +43,9 @@ def _destructive(rt: Runtime, incident_id: str, node: str, gpu: int | None, deci
     row = rt.store.get_action(key)
     if row is not None and row.status != ActionStatus.FAILED:  # a failed call is tried again below
         return _claimed_before(action, node, row)
+    covering = _covering(rt, incident_id, node)
+    if covering is not None:
+        return _claimed_before(action, node, covering)
     holder = held_by_others(rt, node)
     if holder:
         return ActOutcome(action=action, status=ActStatus.ESCALATED, detail=f"{holder}; not touched")
@@ -54,11 +58,24 @@ def _destructive(rt: Runtime, incident_id: str, node: str, gpu: int | None, deci
         return _call_provider(rt, incident_id, node, gpu, action, key)
 
 
+def _covering(rt: Runtime, incident_id: str, node: str) -> ActionRecord | None:
+    """Another incident's destructive action on the node that followed all of this one's evidence
+    (a late duplicate, a second replica's incident, one opened after a restart): the fault is the
+    same episode, and its action is that one (docs/decisions/0009)."""
+    record = rt.store.get_incident(incident_id)
+    if record is None:
+        return None
+    kinds = [a.value for a in DESTRUCTIVE]
+    return rt.store.covering_action(node, record.last_event_at, kinds, other_than=incident_id)
+
+
 def _claimed_before(action: Action, node: str, row: ActionRecord) -> ActOutcome:
     """The fault's action was claimed already: never a second reboot or replacement for it."""
     if row.status == ActionStatus.SUCCEEDED:
         return ActOutcome(
-            action=action, status=ActStatus.ALREADY_DONE, detail=f"{action.value} already done: {row.detail}"
+            action=action,
+            status=ActStatus.ALREADY_DONE,
+            detail=f"{row.action} already done for this fault (incident {row.incident_id}): {row.detail}",
         )
     # An earlier attempt died between intent and outcome (reconciliation could not tell whether
     # the node was hit), or another run is at it right now: repeating it blind is worse than asking.
@@ -74,21 +91,51 @@ def _call_provider(
     rt: Runtime, incident_id: str, node: str, gpu: int | None, action: Action, key: str
 ) -> ActOutcome:
     # Inside `_destructive`'s `guarded`: the guardrails were checked for this action under the slot,
-    # which is held once for the whole transition (drain and call), never taken a second time.
-    drained = ensure_drained(rt, incident_id, node, action.value)
-    provider = rt.backends.provider
+    # which is held once for the whole transition (drain, jobs off, call), never taken a second time.
     try:
-        if action is Action.RESET_GPU:
-            done = provider.reset_gpu(node, gpu)
-        elif action is Action.REBOOT:
-            done = provider.reboot(node)
-        else:
-            done = provider.replace(node)
+        drained = ensure_drained(rt, incident_id, node, action.value)
+        # The jobs leave first: a reboot that fails, or waits for the node to go idle (Slurm),
+        # must not leave them running on a node we hold out of service.
+        off = move_jobs_off(rt, incident_id, node)
+        if off.stuck:
+            return _not_called(rt, key, node, action, drained, off)
+        done = _provider_call(rt, node, gpu, action)
     except Exception as error:
         rt.store.finish_action(key, ActionStatus.FAILED, f"{type(error).__name__}: {error}")
         raise
     rt.store.finish_action(key, ActionStatus.SUCCEEDED, done)
-    return ActOutcome(action=action, status=ActStatus.DONE, detail=f"{drained}; {done}")
+    return ActOutcome(
+        action=action, status=ActStatus.DONE, detail="; ".join(p for p in (drained, off.detail, done) if p)
+    )
+
+
+def _provider_call(rt: Runtime, node: str, gpu: int | None, action: Action) -> str:
+    provider = rt.backends.provider
+    if action is Action.RESET_GPU:
+        return provider.reset_gpu(node, gpu)
+    if action is Action.REBOOT:
+        return provider.reboot(node)
+    return provider.replace(node)
+
+
+def _not_called(rt: Runtime, key: str, node: str, action: Action, drained: str, off: JobsOff) -> ActOutcome:
+    """Fail closed: a job still runs on the node, so the action is not called; its claim is given back."""
+    rt.store.finish_action(key, ActionStatus.FAILED, f"not called: {off.stuck}")
+    return ActOutcome(
+        action=action,
+        status=ActStatus.ESCALATED,
+        detail=f"{drained}; {off.stuck}; {action.value} not called, {node} held out of service",
+    )
+
+
+def _handed_over(decision: Decision) -> str:
+    blocked = decision.blocked_action.value if decision.blocked_action else "action"
+    if decision.guardrail:
+        return f"handed to humans ({blocked} stopped by guardrail {decision.guardrail}); node not touched"
+    if decision.blocked_action is Action.DIAGNOSE:
+        # The ladder's other stop: drained, but a job could not be moved off (flows/ladder.py).
+        return "handed to humans (diagnose not run: a job still runs on the node); node held out of service"
+    return "handed to humans; node not touched"
 
 
 @task(name="act", retries=2, retry_delay_seconds=1, retry_condition_fn=transient_only, timeout_seconds=1800)
@@ -110,15 +157,7 @@ def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> Act
                 action=action, status=ActStatus.DONE, detail=resume_node(rt, incident_id, node)
             )
         elif action is Action.ESCALATE:
-            why = (
-                f" ({decision.blocked_action.value if decision.blocked_action else 'action'} stopped by "
-                f"guardrail {decision.guardrail})"
-                if decision.guardrail
-                else ""
-            )
-            outcome = ActOutcome(
-                action=action, status=ActStatus.ESCALATED, detail=f"handed to humans{why}; node not touched"
-            )
+            outcome = ActOutcome(action=action, status=ActStatus.ESCALATED, detail=_handed_over(decision))
         else:
             outcome = ActOutcome(action=action, status=ActStatus.SKIPPED, detail=f"{node} left alone")
         if outcome.status != ActStatus.SKIPPED:

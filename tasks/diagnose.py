@@ -12,9 +12,10 @@ from medic.statuses import StepStatus
 from medic.store import utcnow
 from tasks.evidence import record_diagnostic
 from tasks.node_ops import take_out_of_service
+from tasks.resume import move_jobs_off
 from tasks.retry import transient_only
-from tasks.runtime import current
-from tasks.stage import stage
+from tasks.runtime import Runtime, current
+from tasks.stage import StageLog, stage
 
 # Hard time budget per DCGM level (seconds): L1 takes seconds, L4 up to two hours.
 LEVEL_BUDGET_S: dict[int, float] = {1: 120, 2: 900, 3: 2700, 4: 9000}
@@ -22,10 +23,12 @@ LEVEL_BUDGET_S: dict[int, float] = {1: 120, 2: 900, 3: 2700, 4: 9000}
 
 class DiagnosticOutcome(BaseModel):
     level: int
-    result: str  # pass | fail | error | stopped (a guardrail refused the drain: nothing ran)
+    # pass | fail | error | stopped (nothing ran: a guardrail refused the drain, or a job could not
+    # be moved off the drained node)
+    result: str
     error_ids: list[str]
     detail: str
-    guardrail: str | None = None  # the guardrail that refused the drain, when result is "stopped"
+    guardrail: str | None = None  # the guardrail that refused the drain, when that stopped it
 
 
 def drain_intent(incident_id: str, level: int) -> Decision:
@@ -40,29 +43,42 @@ def drain_intent(incident_id: str, level: int) -> Decision:
     )
 
 
+def _clear_node(
+    rt: Runtime, incident_id: str, node: str, level: int, log: StageLog
+) -> str | DiagnosticOutcome:
+    """Levels 2-4 stress the GPUs: nothing else may run on them. The node goes out of service, through
+    the same guardrail check under the slot as any other drain, then its jobs are moved off. Returns
+    what was done, or the "stopped" outcome when either could not happen (the level does not run)."""
+    taken = take_out_of_service(
+        rt, incident_id, node, drain_intent(incident_id, level), f"DCGM level {level}"
+    )
+    if taken.stopped:
+        log.done(f"DCGM level {level} not run: {taken.detail}", status=StepStatus.SKIPPED, level=level)
+        return DiagnosticOutcome(
+            level=level, result="stopped", error_ids=[], detail=taken.stopped[1], guardrail=taken.guardrail
+        )
+    off = move_jobs_off(rt, incident_id, node)
+    if off.stuck:
+        # Fail closed: no stress test beside a job; the node stays drained for the humans it goes to.
+        log.done(
+            f"DCGM level {level} not run: {off.stuck}; {node} held out of service",
+            status=StepStatus.SKIPPED,
+            level=level,
+        )
+        return DiagnosticOutcome(level=level, result="stopped", error_ids=[], detail=off.stuck)
+    return "; ".join(p for p in (taken.detail, off.detail) if p)
+
+
 @task(name="diagnose", retries=1, retry_delay_seconds=2, retry_condition_fn=transient_only)
 def diagnose(incident_id: str, node: str, level: int) -> DiagnosticOutcome:
     rt = current()
     with stage(rt.store, incident_id, f"diagnose L{level}") as log:
         drained = None
         if level >= 2:
-            # Levels 2-4 stress the GPUs: nothing else may run on them, so the node goes out of
-            # service, through the same guardrail check under the slot as any other drain.
-            taken = take_out_of_service(
-                rt, incident_id, node, drain_intent(incident_id, level), f"DCGM level {level}"
-            )
-            if taken.stopped:
-                log.done(
-                    f"DCGM level {level} not run: {taken.detail}", status=StepStatus.SKIPPED, level=level
-                )
-                return DiagnosticOutcome(
-                    level=level,
-                    result="stopped",
-                    error_ids=[],
-                    detail=taken.stopped[1],
-                    guardrail=taken.guardrail,
-                )
-            drained = taken.detail
+            cleared = _clear_node(rt, incident_id, node, level, log)
+            if isinstance(cleared, DiagnosticOutcome):
+                return cleared
+            drained = cleared
         result = rt.backends.diagnostics.run(node, level, timeout_s=LEVEL_BUDGET_S[level])
         record_diagnostic(rt, incident_id, result)
         finished = result.finished_at or utcnow()

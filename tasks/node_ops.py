@@ -7,12 +7,13 @@ if they hold. `ensure_drained` refuses to run outside that slot (docs/decisions/
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from medic.errors import PermanentError
 from medic.policy import Decision
 from medic.protocols import NodeInfo, NodeState
-from medic.statuses import ActionStatus
+from medic.statuses import ACTIVE_INCIDENT_STATUSES, ActionStatus
 from tasks.guard import guarded, inside_guarded
 from tasks.runtime import Runtime
 
@@ -50,6 +51,16 @@ def take_out_of_service(rt: Runtime, incident_id: str, node: str, intent: Decisi
 def drain_reason(incident_id: str, why: str) -> str:
     # The "medic:" prefix marks drains as ours: we only ever resume nodes whose reason has it.
     return f"medic: {why} incident {incident_id}"
+
+
+# Not anchored at the end: Slurm appends to the reason (" : reboot issued" after a reboot).
+_DRAINED_FOR = re.compile(r" incident (\S+)")
+
+
+def drain_incident(reason: str | None) -> str | None:
+    """The incident a drain of ours was made for, read from its `drain_reason`; None if it names none."""
+    named = _DRAINED_FOR.findall(reason or "")
+    return named[-1] if named else None
 
 
 def held_by_others(rt: Runtime, node: str) -> str | None:
@@ -90,12 +101,31 @@ def ensure_drained(rt: Runtime, incident_id: str, node: str, why: str) -> str:
 
 
 def resume_node(rt: Runtime, incident_id: str, node: str) -> str:
-    """Return a node to service, but only one that we drained."""
+    """Return a node to service, but only one that we drained and no other incident still works on."""
     info = rt.backends.scheduler.node(node)
     if not info.drained_by_medic:
         return f"{node} not resumed: it is {info.state.value} ({info.reason or 'no reason'}), not drained by medic"
+    holder = _held_by_another_incident(rt, incident_id, info)
+    if holder:
+        return f"{node} not resumed: {holder}"
     key = f"{incident_id}:{node}:resume"
     rt.store.claim_action(key, incident_id, node, "resume")
     rt.backends.scheduler.resume(node)
     rt.store.finish_action(key, ActionStatus.SUCCEEDED, f"resumed {node}")
     return f"resumed {node}"
+
+
+def _held_by_another_incident(rt: Runtime, incident_id: str, info: NodeInfo) -> str | None:
+    """Which other incident of ours the drain still serves, or None when it is this one's, a past one's
+    (closed, escalated, failed: a node we took out, however long ago, comes back once it passes) or
+    names none (a hand-written "medic:" reason)."""
+    owner = drain_incident(info.reason)
+    if owner is None or owner == incident_id:
+        return None
+    record = rt.store.get_incident(owner)
+    if record is None:
+        # Fail closed: another deployment's store, or a pruned one, may still be testing the node.
+        return f"drained for incident {owner}, which this store does not know; left to whoever holds it"
+    if record.status in ACTIVE_INCIDENT_STATUSES:
+        return f"drained for incident {owner}, which is still {record.status}; that incident returns it"
+    return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from medic.protocols import BootClock
 from medic.statuses import ActionStatus
 from tasks.runtime import Runtime
@@ -9,14 +11,18 @@ from tasks.runtime import Runtime
 REBOOTING = frozenset({"reboot", "replace"})
 
 
-def reconcile_intents(rt: Runtime) -> list[str]:
-    """Run once at start: each unfinished reboot/replace becomes succeeded or failed when the
-    provider knows the node's boot time; anything else stays an intent, and the act stage
-    escalates it instead of repeating a destructive action blind."""
+def reconcile_intents(rt: Runtime, incidents: Collection[str] | None = None) -> list[str]:
+    """Each unfinished reboot/replace (of these incidents, or of all at start) becomes succeeded or
+    failed when the provider knows the node's boot time; anything else stays an intent, and the
+    act stage escalates it instead of repeating a destructive action blind.
+
+    Only for incidents no live run holds: a run between its intent and its outcome is not lost."""
     provider = rt.backends.provider
     settled = []
     for action in rt.store.unfinished_actions():
         if action.action not in REBOOTING or not isinstance(provider, BootClock):
+            continue
+        if incidents is not None and action.incident_id not in incidents:
             continue
         booted = provider.booted_at(action.node)
         if booted is None:

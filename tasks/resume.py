@@ -1,17 +1,35 @@
-"""Resume the job: restart it from its last complete checkpoint, away from the bad node."""
+"""Moving jobs off a bad node and resuming them: requeued away from the node, restarted from their
+last complete checkpoint (docs/decisions/0008-job-off-node.md).
+
+Nothing stresses or resets a node while a job still runs on it: the drain before a DCGM level 2-4
+run and a destructive action first call `move_jobs_off`, which requeues each job running there once
+per incident (a `requeue` action and a `move job off` step in the store). After the act,
+`resume_job` requeues a job this incident has not moved yet; one it moved already is only waited on
+until it trains past its checkpoint, never requeued a second time.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from datetime import datetime
 
 from prefect import task
 from pydantic import BaseModel
 
+from medic.errors import is_transient
 from medic.protocols import JobInfo, JobState
+from medic.statuses import ActionStatus, StepStatus
 from medic.store import utcnow
+from medic.store.tables import ActionRecord
 from tasks.retry import transient_only
 from tasks.runtime import Runtime, current
-from tasks.stage import stage
+from tasks.stage import StageLog, stage
+
+MOVE_STAGE = "move job off"
+REQUEUE = "requeue"  # the action's name in the store
+# How long a requeued job may take to leave the node: Slurm ends its processes there first (KillWait).
+MOVE_WAIT_S = 120.0
 
 
 class ResumeOutcome(BaseModel):
@@ -28,6 +46,142 @@ class ResumeOutcome(BaseModel):
         now = f" (now at step {self.resumed_step})" if self.resumed_step is not None else ""
         lost = f"; work lost ≈ {self.lost_seconds:.0f} s" if self.lost_seconds is not None else ""
         return f"job {self.job} resumed from step {self.checkpoint_step}{now}{lost}"
+
+
+class Restart(BaseModel):
+    """One requeue: the checkpoint the job restarts from and the work since it, as of the request."""
+
+    checkpoint_step: int | None
+    lost_seconds: float | None
+    requeued_at: datetime
+
+    def describe(self) -> str:
+        return f" from checkpoint step {self.checkpoint_step}" if self.checkpoint_step is not None else ""
+
+
+@dataclass(frozen=True, slots=True)
+class JobsOff:
+    """What `move_jobs_off` did. `stuck` says why a job still runs on the node: then nothing that
+    stresses or resets the node may run there, and the incident escalates."""
+
+    detail: str = ""
+    stuck: str | None = None
+
+
+def move_key(incident_id: str, node: str, job: str) -> str:
+    return f"{incident_id}:{node}:{REQUEUE}:{job}"
+
+
+def move_jobs_off(rt: Runtime, incident_id: str, node: str) -> JobsOff:
+    """Requeue every job running on the (drained) node away from it, and wait until none runs there.
+
+    A `TransientError` propagates for the calling task to retry; a job this incident moved already is
+    not requeued again. Any other failure stops at that job and says why in `stuck`."""
+    running = [j.id for j in rt.backends.scheduler.jobs_on_node(node) if j.state is JobState.RUNNING]
+    moved: list[str] = []
+    for job in running:
+        off = _move_off(rt, incident_id, node, job)
+        moved.append(off.detail)
+        if off.stuck:
+            return JobsOff("; ".join(moved), off.stuck)
+    return JobsOff("; ".join(moved))
+
+
+def _move_off(rt: Runtime, incident_id: str, node: str, job: str) -> JobsOff:
+    with stage(rt.store, incident_id, MOVE_STAGE) as log:
+        log.detail.update(job=job, node=node)
+        key = move_key(incident_id, node, job)
+        row, claimed = rt.store.claim_action(key, incident_id, node, REQUEUE)
+        if claimed:
+            stuck = _requeue_claimed(rt, key, job, node, log)
+        elif row.status != ActionStatus.SUCCEEDED:
+            stuck = (
+                f"another requeue of job {job} for this incident has not reported back ({row.status}); "
+                "not repeating it blind"
+            )
+        else:
+            stuck = None  # requeued earlier in this incident: only its leaving is waited for
+        stuck = stuck or _wait_off(rt, job, node)
+        summary = stuck or f"job {job} requeued off {node}"
+        log.done(summary, status=StepStatus.FAILED if stuck else StepStatus.OK)
+        return JobsOff(summary, stuck)
+
+
+def _requeue_claimed(rt: Runtime, key: str, job: str, node: str, log: StageLog) -> str | None:
+    """Requeue under the claim `key`; None when done, else why the job could not be moved."""
+    try:
+        restart, _ = _requeue(rt, job, [node])
+    except Exception as error:
+        rt.store.finish_action(key, ActionStatus.FAILED, f"{type(error).__name__}: {error}")
+        if is_transient(error):
+            raise
+        return f"job {job} could not be moved off {node}: {error}"
+    # Before the wait, so the step keeps it even if the wait raises: resume_job reads it back.
+    log.detail.update(restart.model_dump(mode="json"))
+    rt.store.finish_action(key, ActionStatus.SUCCEEDED, f"job {job} requeued off {node}{restart.describe()}")
+    return None
+
+
+def _requeue(rt: Runtime, job: str, exclude: list[str]) -> tuple[Restart, JobInfo]:
+    checkpoint = rt.backends.checkpoints.latest(job)
+    asked = utcnow()
+    info = rt.backends.scheduler.requeue(job, exclude)
+    restart = Restart(
+        checkpoint_step=checkpoint.step if checkpoint else None,
+        lost_seconds=(asked - checkpoint.saved_at).total_seconds() if checkpoint else None,
+        requeued_at=asked,
+    )
+    return restart, info
+
+
+def _wait_off(rt: Runtime, job: str, node: str) -> str | None:
+    """None once the job no longer runs on the node; why not, after MOVE_WAIT_S."""
+    deadline = time.monotonic() + MOVE_WAIT_S
+    delay = 0.05
+    while _runs_on(rt, job, node):
+        if time.monotonic() > deadline:
+            return f"job {job} still runs on {node} {MOVE_WAIT_S:.0f} s after its requeue"
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
+    return None
+
+
+def _runs_on(rt: Runtime, job: str, node: str) -> bool:
+    info = rt.backends.scheduler.job(job)
+    return info is not None and info.state is JobState.RUNNING and node in info.nodes
+
+
+def moved_jobs(rt: Runtime, incident_id: str) -> list[str]:
+    """The jobs this incident requeued off its node (before a diagnostic or an action), in that order."""
+    detail = rt.store.incident_detail(incident_id)
+    actions = detail.actions if detail else []
+    jobs = [
+        a.key.removeprefix(move_key(incident_id, a.node, ""))
+        for a in actions
+        if a.action == REQUEUE and a.status == ActionStatus.SUCCEEDED
+    ]
+    return list(dict.fromkeys(jobs))
+
+
+def _moved_before(rt: Runtime, incident_id: str, job: str, exclude: list[str]) -> Restart | None:
+    """The requeue that moved the job off one of `exclude` earlier in this incident, if there was one."""
+    rows = [rt.store.get_action(move_key(incident_id, node, job)) for node in exclude]
+    done = [r for r in rows if r is not None and r.status == ActionStatus.SUCCEEDED]
+    if not done:
+        return None
+    detail = rt.store.incident_detail(incident_id)
+    moves = [
+        s.detail
+        for s in (detail.steps if detail else [])
+        if s.stage == MOVE_STAGE and s.detail and s.detail.get("job") == job and "requeued_at" in s.detail
+    ]
+    return Restart.model_validate(moves[-1]) if moves else _restart_unrecorded(rt, job, done[-1])
+
+
+def _restart_unrecorded(rt: Runtime, job: str, row: ActionRecord) -> Restart:
+    # The process died between the requeue's outcome and its step: the newest checkpoint is the best
+    # guess at where it restarted; the lost work is not known.
+    return Restart(checkpoint_step=_checkpoint_step(rt, job), lost_seconds=None, requeued_at=row.intent_at)
 
 
 def _checkpoint_step(rt: Runtime, job: str) -> int | None:
@@ -47,6 +201,13 @@ def _progressed(rt: Runtime, job: str, info: JobInfo, floor: int) -> bool:
     return (_checkpoint_step(rt, job) or 0) > floor or info.restarts > 0
 
 
+def _job(rt: Runtime, job: str) -> JobInfo:
+    info = rt.backends.scheduler.job(job)
+    if info is None:
+        raise LookupError(f"job {job} vanished after requeue")
+    return info
+
+
 @task(
     name="resume job",
     retries=1,
@@ -58,9 +219,12 @@ def resume_job(incident_id: str, job: str, exclude: list[str], wait_s: float = 9
     rt = current()
     with stage(rt.store, incident_id, "resume job") as log:
         started = time.monotonic()
-        checkpoint = rt.backends.checkpoints.latest(job)
-        info = rt.backends.scheduler.requeue(job, exclude)
-        floor = checkpoint.step if checkpoint else 0
+        restart = _moved_before(rt, incident_id, job, exclude)
+        if restart is None:
+            restart, info = _requeue(rt, job, exclude)
+        else:
+            info = _job(rt, job)  # moved off before the act: one requeue per incident, never two
+        floor = restart.checkpoint_step or 0
         # Done when the job trains past its checkpoint, not when the scheduler says "running".
         # A scheduler that knows no training steps (Slurm) can only tell that the requeued job
         # runs again; then a newer checkpoint is the proof of progress we wait for, if any.
@@ -70,16 +234,13 @@ def resume_job(incident_id: str, job: str, exclude: list[str], wait_s: float = 9
                 raise TimeoutError(f"job {job} did not pass step {floor} within {wait_s:.0f} s")
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
-            latest = rt.backends.scheduler.job(job)
-            if latest is None:
-                raise LookupError(f"job {job} vanished after requeue")
-            info = latest
+            info = _job(rt, job)
         outcome = ResumeOutcome(
             job=job,
-            checkpoint_step=checkpoint.step if checkpoint else None,
+            checkpoint_step=restart.checkpoint_step,
             resumed_step=info.step if info.step is not None else _checkpoint_step(rt, job),
-            lost_seconds=(utcnow() - checkpoint.saved_at).total_seconds() if checkpoint else None,
-            seconds_to_resume=time.monotonic() - started,
+            lost_seconds=restart.lost_seconds,
+            seconds_to_resume=(utcnow() - restart.requeued_at).total_seconds(),
             nodes=list(info.nodes),
         )
         log.done(f"{outcome.describe()} on {', '.join(outcome.nodes)}", **outcome.model_dump())

@@ -3,6 +3,7 @@ and real PostgreSQL stores."""
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -117,3 +118,60 @@ def sim_backends(fleet: SimFleet) -> Backends:
 @pytest.fixture
 def runtime(store: Store, sim_backends: Backends) -> Runtime:
     return configure(Runtime(store, sim_backends, DEFAULT_POLICY))
+
+
+# --- no credential in any log record of the session (issue 15) -------------------------------
+
+CREDENTIAL_ENV = (
+    "MEDIC_INGEST_TOKENS",
+    "MEDIC_INGEST_HMAC_SECRET",
+    "MEDIC_SENTRY_CLIENT_SECRET",
+    "SLACK_SIGNING_SECRET",
+    "SLACK_BOT_TOKEN",
+    "PREFECT_API_KEY",
+)
+
+
+class CredentialsInLogs(logging.Handler):
+    """Every record logged in this process, searched for the credentials the environment holds when
+    it is logged (tests set them with monkeypatch): a find fails the session and is named.
+    tests/test_no_secrets_in_logs.py does the same for everything a `medic serve` process writes."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.found: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        secrets = {
+            value.strip(): name
+            for name in CREDENTIAL_ENV
+            for value in os.environ.get(name, "").split(",")
+            if len(value.strip()) >= 8  # shorter is no real secret, and would match by chance
+        }
+        if not secrets:
+            return
+        text = logging.Formatter().format(record)  # the message and any traceback
+        self.found += [
+            f"{record.name} at {record.pathname}:{record.lineno}: {n}"
+            for v, n in secrets.items()
+            if v in text
+        ]
+
+
+_credentials_in_logs = CredentialsInLogs()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    logging.getLogger().addHandler(_credentials_in_logs)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _credentials_in_logs.found:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _credentials_in_logs.found:
+        terminalreporter.section("credentials in log records", red=True)
+        for found in _credentials_in_logs.found:
+            terminalreporter.line(found)

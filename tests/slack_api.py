@@ -1,8 +1,11 @@
-"""A local stand-in for Slack's Web API server (chat.postMessage, chat.update, auth.test) for slack-sdk to talk to.
+"""A local stand-in for Slack's Web API server (chat.postMessage, chat.update, auth.test,
+users.lookupByEmail) for slack-sdk to talk to.
 
 slack-sdk ships no mock server, so this answers over real HTTP on 127.0.0.1 the way Slack does: bearer-token
 auth, channel names resolved to ids, increasing message timestamps, thread replies that keep thread_ts,
-and on request HTTP 429 with Retry-After or HTTP 500 for the next calls. Every request is recorded.
+users found by email (GET, as slack-sdk sends it; `users_not_found` otherwise), and on request HTTP 429
+with Retry-After or HTTP 5xx for the next calls, or for every call until it comes back. Every request is
+recorded.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, urlsplit
 
 API_PREFIX = "/api/"
 BASE_TS = 1_700_000_000
@@ -38,6 +41,9 @@ class Failure:
 class SlackState:
     token: str
     channels: dict[str, str]  # name → id
+    users: dict[str, dict[str, Any]] = field(default_factory=dict)  # email → Slack's user object
+    scopes: frozenset[str] = frozenset({"chat:write", "users:read", "users:read.email"})
+    down: Failure | None = None  # answer every call with this until it comes back
     requests: list[Recorded] = field(default_factory=list)
     messages: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # (channel id, ts) →
     failures: list[Failure] = field(default_factory=list)
@@ -61,13 +67,19 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # keep test output quiet
         pass
 
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        self._handle(url.path.removeprefix(API_PREFIX), dict(parse_qsl(url.query)))
+
     def do_POST(self) -> None:
-        state = self.server.state
-        method = self.path.split("?")[0].removeprefix(API_PREFIX)
         raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         params = _params(self.headers.get("Content-Type", ""), raw)
+        self._handle(self.path.split("?")[0].removeprefix(API_PREFIX), params)
+
+    def _handle(self, method: str, params: dict[str, Any]) -> None:
+        state = self.server.state
         with state.lock:
-            failure = state.failures.pop(0) if state.failures else None
+            failure = state.failures.pop(0) if state.failures else state.down
             answer = None if failure else _answer(state, method, self.headers.get("Authorization"), params)
             status = failure.status if failure else 200
             state.requests.append(Recorded(method, dict(self.headers.items()), params, status))
@@ -100,7 +112,36 @@ def _answer(state: SlackState, method: str, auth: str | None, params: dict[str, 
         return _update(state, params)
     if method == "auth.test":
         return {"ok": True, "url": "https://medic-test.slack.com/", "team": "medic-test", "user": "medic"}
+    if method == "users.lookupByEmail":
+        return _lookup_by_email(state, params)
     return {"ok": False, "error": "unknown_method"}
+
+
+def _lookup_by_email(state: SlackState, params: dict[str, Any]) -> dict[str, Any]:
+    # As documented at docs.slack.dev/reference/methods/users.lookupByEmail: the scope first, then
+    # the user (a deactivated one is still found, with `deleted: true`), else `users_not_found`.
+    if "users:read.email" not in state.scopes:
+        provided = ",".join(sorted(state.scopes))
+        return {"ok": False, "error": "missing_scope", "needed": "users:read.email", "provided": provided}
+    if not params.get("email"):
+        return {"ok": False, "error": "invalid_arguments"}
+    user = state.users.get(str(params["email"]).lower())
+    if user is None:
+        return {"ok": False, "error": "users_not_found"}
+    return {"ok": True, "user": user}
+
+
+def slack_user(user_id: str, name: str, email: str, deleted: bool = False) -> dict[str, Any]:
+    """A user object as users.lookupByEmail returns it (the fields Slack documents, trimmed)."""
+    return {
+        "id": user_id,
+        "team_id": "T0MEDIC",
+        "name": name,
+        "deleted": deleted,
+        "real_name": name.title(),
+        "is_bot": False,
+        "profile": {"display_name": name, "real_name": name.title(), "email": email},
+    }
 
 
 def _post(state: SlackState, params: dict[str, Any]) -> dict[str, Any]:
@@ -164,15 +205,38 @@ class SlackApi:
         with self._server.state.lock:
             return dict(self._server.state.messages[(channel, ts)])
 
+    def posted(self, channel: str) -> list[dict[str, Any]]:
+        """The messages in a channel (by id), thread replies included, in the order Slack took them."""
+        with self._server.state.lock:
+            return [dict(m) for (c, _), m in self._server.state.messages.items() if c == channel]
+
     def fail_next(self, count: int, status: int = 429, retry_after: str | None = None) -> None:
         """Answer the next `count` calls with `status` (429 or 5xx), with a Retry-After header if given."""
         with self._server.state.lock:
             self._server.state.failures.extend(Failure(status, retry_after) for _ in range(count))
 
+    def go_down(self, status: int = 503, retry_after: str | None = None) -> None:
+        """Answer every call with `status` until `come_back`."""
+        with self._server.state.lock:
+            self._server.state.down = Failure(status, retry_after)
+
+    def come_back(self) -> None:
+        with self._server.state.lock:
+            self._server.state.down = None
+
+    def add_user(self, user: dict[str, Any]) -> None:
+        with self._server.state.lock:
+            self._server.state.users[user["profile"]["email"].lower()] = user
+
 
 @contextmanager
-def running_slack_api(token: str, channels: Mapping[str, str]) -> Iterator[SlackApi]:
-    server = _Server(SlackState(token=token, channels=dict(channels)))
+def running_slack_api(
+    token: str, channels: Mapping[str, str], scopes: frozenset[str] | None = None
+) -> Iterator[SlackApi]:
+    state = SlackState(token=token, channels=dict(channels))
+    if scopes is not None:
+        state.scopes = scopes
+    server = _Server(state)
     thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="slack-api", daemon=True
     )

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 APPROVALS = """
 approvals:
-  approvers: [alice]
+  approvers: [U0ALICE]
   required_for: [reboot]
   timeout_minutes: {minutes}
 """
@@ -44,10 +44,11 @@ def needs_approval(runtime: Runtime, tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def set_timeout(rt: Runtime, minutes: float) -> None:
-    text = rt.policy_path.read_text().replace(
-        "\nrules:\n", APPROVALS.format(minutes=minutes) + "\nrules:\n", 1
-    )
-    rt.policy_path.write_text(text)
+    """The default policy's approvals block, replaced by APPROVALS."""
+    text = rt.policy_path.read_text()
+    start = text.index("\napprovals:\n")
+    end = text.index("\n\n", start)
+    rt.policy_path.write_text(text[:start] + APPROVALS.format(minutes=minutes).rstrip("\n") + text[end:])
 
 
 def xid79(node: str) -> list[str]:
@@ -94,18 +95,23 @@ def test_approved_by_an_approver_acts(needs_approval: Runtime, fleet: SimFleet) 
     assert isinstance(notifier, RecordingNotifier)
     asks = [t.message for t in notifier.threads.values() if t.message.approval_run]
     assert asks and asks[0].approval_run == str(run_id)
-    resume_flow_run(run_id, run_input={"approved": True, "by": "alice", "via": "prefect"})
+    resume_flow_run(run_id, run_input={"approved": True, "by": "U0ALICE", "via": "prefect"})
     thread.join(timeout=120)
     dispatch: Dispatch = result["dispatch"]
     (outcome,) = dispatch.outcomes
     assert (outcome.action, outcome.act) == ("reboot", "done")
     assert fleet.nodes["gpu-node-1"].boots == 1
     (approval,) = needs_approval.store.approvals(outcome.incident)
-    assert (approval.approved, approval.by, approval.via) == (True, "alice", "prefect")
+    assert (approval.approved, approval.by, approval.via) == (True, "U0ALICE", "prefect")
+    # The answer is told in the request's thread.
+    (ask,) = [t for t in notifier.threads.values() if t.message.approval_run]
+    assert ask.replies == ["approved by U0ALICE via prefect"]
 
 
 @pytest.mark.parametrize(
-    ("by", "approved"), [("alice", False), ("mallory", True)], ids=["rejected", "not-approver"]
+    ("by", "approved"),
+    [("U0ALICE", False), ("U0MALLORY", True), ("alice", True)],
+    ids=["rejected", "not-approver", "an-approver's-name-is-not-enough"],
 )
 def test_rejected_or_unauthorised_answers_escalate(
     needs_approval: Runtime, fleet: SimFleet, by: str, approved: bool
@@ -120,7 +126,7 @@ def test_rejected_or_unauthorised_answers_escalate(
     assert fleet.nodes["gpu-node-2"].state is NodeState.DRAINED
     (answer,) = needs_approval.store.approvals(outcome.incident)
     assert (answer.approved, answer.by) == (False, by)
-    assert answer.comment == ("not an approver" if by == "mallory" else "")
+    assert answer.comment == ("" if by == "U0ALICE" else "not an approver")
 
 
 def test_no_answer_in_time_escalates(needs_approval: Runtime, fleet: SimFleet) -> None:
@@ -131,3 +137,20 @@ def test_no_answer_in_time_escalates(needs_approval: Runtime, fleet: SimFleet) -
     (approval,) = needs_approval.store.approvals(outcome.incident)
     assert (approval.approved, approval.via) == (None, "timeout")
     assert fleet.nodes["gpu-node-4"].boots == 0
+
+
+def test_an_approver_email_that_cannot_be_resolved_is_said_in_the_request(
+    needs_approval: Runtime, fleet: SimFleet
+) -> None:
+    set_timeout(needs_approval, 0.05)
+    text = needs_approval.policy_path.read_text()
+    needs_approval.policy_path.write_text(
+        text.replace("approvers: [U0ALICE]", "approvers: [U0ALICE, ghost@example.com]", 1)
+    )
+    asyncio.run(remediate_all(needs_approval, read_lines(xid79("gpu-node-5"), "t.jsonl")))
+    notifier = needs_approval.backends.notifier
+    assert isinstance(notifier, RecordingNotifier)
+    (ask,) = [t.message for t in notifier.threads.values() if t.message.approval_run]
+    # No Slack here to look the email up: the request says so, and only the listed id may answer.
+    assert "Approver ghost@example.com: not resolved, Slack is not configured" in ask.body
+    assert needs_approval.approvers().ids == {"U0ALICE"}

@@ -47,8 +47,19 @@ def test_demo_remediates_hardware_and_leaves_application_faults_alone(
     climbed = store.incident_detail(incidents["gpu-node-2"].id)
     assert climbed is not None
     assert [(d.level, d.result) for d in climbed.diagnostics] == [(1, "pass"), (2, "fail"), (1, "pass")]
-    stages = [s.stage for s in climbed.steps]
-    assert stages[:6] == ["triage", "notify", "diagnose L1", "decide", "diagnose L2", "decide"]
+    stages = [s.stage for s in climbed.steps if s.stage not in ("notify", "update")]  # the chat's own pace
+    climb = ["triage", "diagnose L1", "decide", "diagnose L2", "decide", "approval", "act: replace"]
+    assert [s for s in stages if s in climb] == climb, stages
+    # Replacing wipes the node: the policy asks first, and the demo answers as a person would.
+    (approval,) = store.approvals(climbed.incident.id)
+    assert (approval.action, approval.approved, approval.by, approval.via) == (
+        "replace",
+        True,
+        "demo",
+        "demo",
+    )
+    assert "approved by demo: Approval needed: replace gpu-node-2" in result.output
+    assert "↳ approved by demo via demo" in result.output
     # The lone NCCL timeout was settled by a passing quick diagnostic, the node left in service.
     lone = store.incident_detail(incidents["gpu-node-7"].id)
     assert lone is not None and [(d.level, d.result) for d in lone.diagnostics] == [(1, "pass")]

@@ -12,7 +12,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from medic.events import EventKind, FaultEvent
-from medic.intake import MAX_LINE_BYTES, Intake, Rejection, iter_jsonl, parse_line, read_file, read_lines
+from medic.intake import (
+    DEAD_LETTER_SAMPLE,
+    MAX_LINE_BYTES,
+    Intake,
+    Rejection,
+    RejectionSample,
+    iter_jsonl,
+    parse_line,
+    read_file,
+    read_lines,
+    reason_class,
+    rejection_source,
+)
 
 
 def line(event_id: str = "ev-1", kind: str = "xid", **fields: Any) -> str:
@@ -293,3 +305,69 @@ def test_jsonl_round_trip(tmp_path: Path) -> None:
     assert all("null" not in text for text in written)  # unset fields are left out
     copy = write(tmp_path / "out.jsonl", *written)
     assert read_file(copy).events == events
+
+
+# --- the dead letter's sample of a flood ------------------------------------------------------
+
+
+def test_a_sample_keeps_the_first_rejections_and_counts_every_one() -> None:
+    flood = [parse_line(f"junk {n}", f"http:10.0.0.7:{n}") for n in range(1, 251)]
+    flood += [
+        parse_line(line(attributes={}), "http:10.0.0.7:251"),
+        parse_line("[1]", "sentry:10.0.0.7:error"),
+    ]
+    rejections = [r for r in flood if isinstance(r, Rejection)]
+    sample = RejectionSample.of(rejections)
+    assert sample.kept == rejections[:DEAD_LETTER_SAMPLE]
+    assert len(sample) == sample.total == 252
+    assert sample.counts == {
+        ("http:10.0.0.7", "not JSON"): 250,
+        ("http:10.0.0.7", "attributes"): 1,
+        ("sentry:10.0.0.7:error", "not an object"): 1,
+    }
+    assert not RejectionSample()
+
+
+@pytest.mark.parametrize(
+    ("origin", "source"),
+    [
+        ("events.jsonl:12", "events.jsonl"),
+        ("http:10.0.0.7:[3]", "http:10.0.0.7"),
+        ("http:::1:4", "http:::1"),  # IPv6
+        ("sentry:10.0.0.7:event_alert", "sentry:10.0.0.7:event_alert"),  # one item: no position
+        ("webhook", "webhook"),
+    ],
+)
+def test_the_source_of_a_rejection_is_its_origin_without_the_position(origin: str, source: str) -> None:
+    assert rejection_source(origin) == source
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("not json", "not JSON"),
+        ("[1, 2]", "not an object"),
+        (line(attributes={"code": 79, "message": "x" * MAX_LINE_BYTES}), "too long"),
+        (line(source="a\x00b"), "NUL"),
+        (line(source="agent").replace("agent", "agent\udc80"), "not UTF-8"),
+        (line(source="agent\ud800"), "source"),  # an escaped surrogate: the field says it
+        (line(time="1969-12-31T23:59:59Z"), "time"),
+        (line(attributes={}), "attributes"),
+        (line(colour="red"), "unknown field"),
+        (line(**{"colour-" + "x" * 100: 1}), "unknown field"),
+    ],
+)
+def test_reason_classes_name_the_failure_in_a_few_words(raw: str, expected: str) -> None:
+    rejection = parse_line(raw, "f:1")
+    assert isinstance(rejection, Rejection)
+    assert reason_class(rejection.reason) == expected
+
+
+REASON_CLASSES = {"too long", "not JSON", "not an object", "NUL", "not UTF-8", "unreadable", "unknown field"}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=60))
+def test_reason_classes_are_few_whatever_the_reason(reason: str) -> None:
+    # Counters are kept per class: a flood inventing keys or messages must not invent classes.
+    assert reason_class(reason) in REASON_CLASSES | set(FaultEvent.model_fields) | {"other"}

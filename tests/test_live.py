@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from prefect.flow_runs import resume_flow_run
 from slack_api import SlackApi, running_slack_api
 from slack_sdk import WebClient
+from waiting import until
 
 from apps.server.app import create_app
 from apps.server.slack import SlackCallbacks
@@ -49,15 +50,6 @@ def event(event_id: str, node: str, kind: str = "xid", **fields: Any) -> FaultEv
 def posted(event_id: str, node: str) -> dict[str, Any]:
     """An xid 79 happening now, as POSTed."""
     return event_dict(id=event_id, node=node, at=datetime.now(UTC))
-
-
-def until(check: Callable[[], Any], what: str, timeout_s: float = 90) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (result := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-    return result
 
 
 def closed(rt: Runtime, node: str) -> Callable[[], IncidentRecord | None]:

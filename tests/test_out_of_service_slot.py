@@ -142,7 +142,7 @@ def test_an_approval_wait_does_not_drain_past_the_limit(
     monkeypatch.setenv("MEDIC_APPROVAL_POLL_SECONDS", "1")
     policy_file(
         "\nrules:\n",
-        "\napprovals:\n  approvers: [alice]\n  required_for: [reboot]\n  timeout_minutes: 0.05\n\nrules:\n",
+        "\napprovals:\n  approvers: [U0ALICE]\n  required_for: [reboot]\n  timeout_minutes: 0.05\n\nrules:\n",
     )
     admin_drains_on_first_post(runtime, monkeypatch, "gpu-node-5")
     (outcome,) = run(runtime, xid79("gpu-node-1"))
@@ -173,7 +173,7 @@ def test_an_approval_wait_with_room_drains_under_the_slot(
     monkeypatch.setenv("MEDIC_APPROVAL_POLL_SECONDS", "1")
     policy_file(
         "\nrules:\n",
-        "\napprovals:\n  approvers: [alice]\n  required_for: [reboot]\n  timeout_minutes: 0.05\n\nrules:\n",
+        "\napprovals:\n  approvers: [U0ALICE]\n  required_for: [reboot]\n  timeout_minutes: 0.05\n\nrules:\n",
     )
     acquired = count_acquisitions(monkeypatch)
     run(runtime, xid79("gpu-node-1"))

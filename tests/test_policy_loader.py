@@ -210,3 +210,40 @@ def test_a_window_beyond_a_year_is_refused_at_its_line(tmp_path):
     (problem,) = problems_of(text, tmp_path)
     assert problem.startswith(f"{line_of(text, 'within_minutes')}:")
     assert "rules.0.when.count.0.within_minutes: Input should be less than or equal to 525600" in problem
+
+
+def test_an_approver_by_display_name_is_refused_at_its_line(tmp_path):
+    # Anyone can take a display name in Slack; only an id or an email names one person.
+    text = GOOD.replace(
+        "rules:\n",
+        "approvals:\n  approvers:\n    - U024BE7LH\n    - alice\n    - bob@example.com\nrules:\n",
+        1,
+    )
+    (problem,) = problems_of(text, tmp_path)
+    assert problem.startswith(f"{line_of(text, '- alice')}:7: approvals.approvers.1: 'alice' is neither")
+    assert "Slack user id" in problem and "email" in problem
+
+
+def test_approvers_by_slack_id_or_email_load():
+    text = GOOD.replace(
+        "rules:\n", "approvals:\n  approvers: [U024BE7LH, W0ENTERPRISE1, ops@example.com]\nrules:\n"
+    )
+    approvals = parse_policy(text, "good.yaml").approvals
+    assert approvals.approvers == ["U024BE7LH", "W0ENTERPRISE1", "ops@example.com"]
+
+
+def test_the_default_policy_asks_before_every_replace():
+    approvals = load_policy(DEFAULT_POLICY).policy.approvals
+    assert approvals.required_for == ["replace"]
+
+
+def test_policy_check_refuses_an_approver_by_name_with_its_place(tmp_path):
+    from typer.testing import CliRunner
+
+    from apps.cli.app import app
+
+    path = tmp_path / "site.yaml"
+    path.write_text(GOOD.replace("rules:\n", "approvals:\n  approvers: [U024BE7LH, alice]\nrules:\n", 1))
+    result = CliRunner().invoke(app, ["policy", "check", str(path)])
+    assert result.exit_code == 1
+    assert f"{path}:3:26: approvals.approvers.1: 'alice' is neither a Slack user id" in result.output

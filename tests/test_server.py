@@ -23,17 +23,20 @@ import typer
 from factories import T0, event_dict, fault_event, incident
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import text
+from sqlalchemy import text, update
 from typer.testing import CliRunner
 
-from apps.server.app import create_app
+from apps.server.app import MAX_BODY_BYTES, create_app
 from apps.server.auth import sign
 from apps.server.emit import parse_attribute
 from apps.server.main import children_of
 from medic.events import FaultEvent
+from medic.intake import DEAD_LETTER_SAMPLE, Rejection, RejectionSample
 from medic.policy import Decision
 from medic.statuses import ACTIVE_INCIDENT_STATUSES
 from medic.store import Store, utcnow
+from medic.store import rejections as dead_letter_module
+from medic.store.rejections import DEAD_LETTER_PER_MINUTE, DeadLettered
 from medic.store.tables import EventRecord, RejectedRecord
 
 TOKEN = "s3cret-token"
@@ -396,6 +399,70 @@ async def test_a_body_over_the_limit_is_refused_unread(sqlite_store: Store) -> N
     assert sqlite_store.count(EventRecord) == 0
 
 
+# --- a flood of bad items: a sample in the dead letter, every one counted --------------------
+
+JUNK = b"this is junk, not json!!\n"
+
+
+@pytest.mark.anyio
+async def test_16_mb_of_junk_lines_keep_a_sample_answer_briefly_and_the_valid_items_are_stored(
+    sqlite_store: Store,
+) -> None:
+    # The flood: 16 MB of junk lines wrote 645,120 dead-letter rows and a 188 MB answer.
+    per_gap = (MAX_BODY_BYTES - 4096) // len(JUNK) // 3
+    valid = [ev(f"among-junk-{n}") for n in range(3)]
+    body = b"".join(json.dumps(v).encode() + b"\n" + JUNK * per_gap for v in valid)
+    junk = 3 * per_gap
+    started = time.perf_counter()
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.post("/v1/events", content=body, headers=NDJSON)
+        values = samples((await client.get("/metrics")).text)
+    took = time.perf_counter() - started
+    assert response.status_code == 422
+    reply = response.json()
+    assert reply["accepted"] == 3 and stored_ids(sqlite_store) == {v["id"] for v in valid}
+    assert (reply["rejected_total"], reply["dead_lettered"]) == (junk, DEAD_LETTER_SAMPLE)
+    assert len(reply["rejected"]) == DEAD_LETTER_SAMPLE
+    assert reply["rejected"][0] == {"line": 2, "error": "not JSON: Expecting value at column 1"}
+    assert len(response.content) < 16 * 1024
+    assert sqlite_store.count(RejectedRecord) == DEAD_LETTER_SAMPLE
+    [counted] = sqlite_store.rejection_counts()
+    assert (counted.source, counted.reason_class) == (f"http:{REMOTE}", "not JSON")
+    assert (counted.rejected, counted.kept) == (junk, DEAD_LETTER_SAMPLE)
+    assert values[("medic_events_rejected_total", ())] == junk  # /metrics counts every one
+    assert values[("medic_events_received_total", ())] == junk + 3
+    assert took < 60, f"{took:.1f} s"  # 77 s before, on 2 cores
+
+
+@pytest.mark.anyio
+async def test_up_to_the_sample_the_answer_is_as_it_always_was(sqlite_store: Store) -> None:
+    body = lines(*[f"junk {n}" for n in range(DEAD_LETTER_SAMPLE)], ev("ok"))
+    async with serving(make_app(sqlite_store)) as client:
+        response = await client.post("/v1/events", content=body, headers=NDJSON)
+    assert response.status_code == 422
+    assert set(response.json()) == {"accepted", "duplicates", "rejected"}
+    assert len(response.json()["rejected"]) == DEAD_LETTER_SAMPLE
+    assert sqlite_store.count(RejectedRecord) == DEAD_LETTER_SAMPLE
+
+
+@pytest.mark.anyio
+async def test_the_dead_letter_keeps_at_most_its_rate_per_client_and_counts_the_rest(
+    sqlite_store: Store,
+) -> None:
+    body = lines(*[f"junk {n}" for n in range(DEAD_LETTER_SAMPLE)])
+    requests = DEAD_LETTER_PER_MINUTE // DEAD_LETTER_SAMPLE + 1
+    async with serving(make_app(sqlite_store)) as client:
+        replies = [(await client.post("/v1/events", content=body, headers=NDJSON)) for _ in range(requests)]
+    assert {r.status_code for r in replies} == {422}
+    assert all(set(r.json()) == {"accepted", "duplicates", "rejected"} for r in replies[:-1])
+    last = replies[-1].json()  # the minute's room is spent: its items are listed, counted, not kept
+    assert len(last["rejected"]) == last["rejected_total"] == DEAD_LETTER_SAMPLE
+    assert last["dead_lettered"] == 0
+    assert sqlite_store.count(RejectedRecord) == DEAD_LETTER_PER_MINUTE
+    [counted] = sqlite_store.rejection_counts()
+    assert (counted.rejected, counted.kept) == (requests * DEAD_LETTER_SAMPLE, DEAD_LETTER_PER_MINUTE)
+
+
 # --- authentication ----------------------------------------------------------------------------
 
 
@@ -544,6 +611,11 @@ async def test_metrics_count_requests_and_read_the_store(sqlite_store: Store) ->
     }
     assert values[("medic_ingest_seconds_count", (("code", "422"),))] == 2
     assert values[("medic_ingest_seconds_count", (("code", "401"),))] == 1
+    dead_letter = {
+        (name, labels): v for (name, labels), v in values.items() if name.startswith("medic_dead_letter_")
+    }
+    assert sum(v for (name, _), v in dead_letter.items() if name == "medic_dead_letter_rejected_total") == 2
+    assert sum(v for (name, _), v in dead_letter.items() if name == "medic_dead_letter_kept_total") == 2
 
 
 @pytest.mark.anyio
@@ -625,6 +697,59 @@ def test_record_accepted_racing_writers_store_each_id_once(store: Store) -> None
         results = list(pool.map(write, range(4)))
     assert sorted(i for r in results for i in r) == sorted(e.id for e in events)
     assert store.count(EventRecord) == 50
+
+
+def junk_sample(source: str, count: int) -> RejectionSample:
+    return RejectionSample.of(Rejection(f"{source}:{n}", f"junk {n}", "not JSON: x") for n in range(count))
+
+
+def test_the_dead_letter_rate_is_per_source_and_per_minute(store: Store) -> None:
+    assert store.dead_letter(junk_sample("a_b.jsonl", 5), per_minute=8) == DeadLettered(5, 5)
+    assert store.dead_letter(junk_sample("a_b.jsonl", 5), per_minute=8) == DeadLettered(5, 3)
+    # Another source has room of its own, one whose name only looks alike (`_` is LIKE's wildcard) too.
+    assert store.dead_letter(junk_sample("axb.jsonl", 5), per_minute=8) == DeadLettered(5, 5)
+    with store.session() as s:
+        s.exec(update(RejectedRecord).values(received_at=utcnow() - timedelta(seconds=61)))
+        s.commit()
+    assert store.dead_letter(junk_sample("a_b.jsonl", 5), per_minute=8) == DeadLettered(
+        5, 5
+    )  # a minute later
+    counts = {(c.source, c.reason_class): (c.rejected, c.kept) for c in store.rejection_counts()}
+    assert counts == {("a_b.jsonl", "not JSON"): (15, 13), ("axb.jsonl", "not JSON"): (5, 5)}
+    assert all(c.first_seen <= c.last_seen for c in store.rejection_counts())
+
+
+def test_record_rejections_keeps_a_sample_of_a_file_and_counts_all(store: Store) -> None:
+    assert store.record_rejections(junk_sample("big.jsonl", 250).kept) == DEAD_LETTER_SAMPLE
+    flood = [Rejection(f"big.jsonl:{n}", "junk", "not JSON: x") for n in range(250)]
+    assert store.record_rejections(flood) == 250  # what `medic ingest` reports
+    assert store.count(RejectedRecord) == 2 * DEAD_LETTER_SAMPLE
+    [counted] = store.rejection_counts()
+    assert (counted.rejected, counted.kept) == (DEAD_LETTER_SAMPLE + 250, 2 * DEAD_LETTER_SAMPLE)
+
+
+def test_racing_writers_count_every_rejection(store: Store) -> None:
+    barrier = Barrier(4)
+
+    def write(_: int) -> DeadLettered:
+        barrier.wait()
+        return store.dead_letter(junk_sample("race.jsonl", 30))
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(write, range(4)))
+    [counted] = store.rejection_counts()
+    assert counted.rejected == 120
+    assert counted.kept == sum(r.kept for r in results) == store.count(RejectedRecord) == 120
+
+
+def test_the_dead_letter_counts_on_a_database_without_upserts(
+    sqlite_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dead_letter_module, "_upsert", lambda _dialect: None)
+    for _ in range(2):
+        sqlite_store.dead_letter(junk_sample("f", 3))
+    [counted] = sqlite_store.rejection_counts()
+    assert (counted.source, counted.rejected, counted.kept) == ("f", 6, 6)
 
 
 def test_attach_events_and_what_is_left_undispatched(store: Store) -> None:

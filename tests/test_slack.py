@@ -6,17 +6,26 @@ from __future__ import annotations
 import hashlib
 import hmac
 import html
+import json
 import logging
+import time
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlencode
 
 import pytest
 from fake_time import FakeTime
-from slack_api import SlackApi, running_slack_api
+from fastapi.testclient import TestClient
+from slack_api import SlackApi, running_slack_api, slack_user
 from slack_sdk import WebClient
 from torchrun_support import free_port
 
+from apps.server.app import create_app
+from apps.server.slack import SlackCallbacks
+from integrations import registry
 from integrations.slack.blocks import (
+    APPROVE_ACTION,
     FIELDS_MAX,
     HEADER_MAX,
     SECTION_TEXT_MAX,
@@ -34,6 +43,8 @@ from integrations.slack.notifier import (
 )
 from integrations.slack.signature import SignatureError, verify
 from medic.protocols import Message, Notifier
+from medic.store import Store
+from tasks.runtime import Runtime
 
 TOKEN = "xoxb-1111-2222-medictesttokenvalue"
 CHANNEL_ID = "C0GPUALERTS"
@@ -375,3 +386,132 @@ def test_verifying_without_a_signing_secret_is_a_configuration_error(monkeypatch
     monkeypatch.delenv("SLACK_SIGNING_SECRET", raising=False)
     with pytest.raises(RuntimeError, match="SLACK_SIGNING_SECRET is not set"):
         verify(BODY, signed_headers(BODY, NOW), now=NOW)
+
+
+# --- approvers: Slack user ids, emails resolved once, never display names ---
+
+ALICE = slack_user("U0ALICE1", "alice", "alice@example.com")
+POLICY_WITH_APPROVERS = """\
+version: 1
+approvals:
+  approvers: [U0CAROL1, alice@example.com, ghost@example.com, gone@example.com]
+rules:
+  - id: r
+    description: d
+    when: {xid: [79]}
+    then: {classification: hardware, action: reboot}
+"""
+
+
+def test_user_id_by_email_asks_users_lookup_by_email_as_slack_answers(
+    slack_api: SlackApi, notifier: SlackNotifier
+) -> None:
+    slack_api.add_user(ALICE)
+    slack_api.add_user(slack_user("U0GONE01", "gone", "gone@example.com", deleted=True))
+    assert notifier.user_id_by_email("Alice@example.com") == "U0ALICE1"
+    assert notifier.user_id_by_email("ghost@example.com") is None  # users_not_found
+    assert notifier.user_id_by_email("gone@example.com") is None  # deactivated: no approver
+    lookups = [r for r in slack_api.requests if r.method == "users.lookupByEmail"]
+    assert lookups[0].params == {"email": "Alice@example.com"}  # the query of a GET, as slack-sdk sends it
+
+
+def test_user_id_by_email_without_the_scope_is_a_refusal(fake_time: FakeTime) -> None:
+    with running_slack_api(TOKEN, {}, scopes=frozenset({"chat:write"})) as api:
+        notifier = make_notifier(api.api_url, fake_time)
+        with pytest.raises(NotifyError, match="missing_scope"):
+            notifier.user_id_by_email("alice@example.com")
+
+
+@pytest.fixture
+def approving_runtime(
+    slack_api: SlackApi, notifier: SlackNotifier, sqlite_store: Store, tmp_path: Path
+) -> Runtime:
+    slack_api.add_user(ALICE)
+    slack_api.add_user(slack_user("U0GONE01", "gone", "gone@example.com", deleted=True))
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY_WITH_APPROVERS)
+    backends, _ = registry.simulated()
+    backends.notifier = notifier
+    return Runtime(sqlite_store, backends, policy)
+
+
+def test_approver_emails_are_resolved_once_and_failures_said(
+    slack_api: SlackApi, approving_runtime: Runtime, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="medic.runtime")
+    approving_runtime.policy()  # the load starts the lookups, on a thread of their own
+    first = approving_runtime.approvers(wait_s=10)
+    assert first.ids == {"U0CAROL1", "U0ALICE1"}
+    assert first.problems == (
+        "ghost@example.com: no active Slack user has this email",
+        "gone@example.com: no active Slack user has this email",
+    )
+    for _ in range(5):  # clicks, and the policy read again each time
+        assert approving_runtime.approvers() == first
+    lookups = [r.params["email"] for r in slack_api.requests if r.method == "users.lookupByEmail"]
+    assert sorted(lookups) == ["alice@example.com", "ghost@example.com", "gone@example.com"]
+    logged = [r.getMessage() for r in caplog.records if "ghost@example.com" in r.getMessage()]
+    assert logged == [
+        "approver ghost@example.com: no active Slack user has this email; nobody is let in by it"
+    ]
+
+
+def test_an_email_slack_cannot_be_asked_about_is_said_and_asked_again_later(
+    slack_api: SlackApi, approving_runtime: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    notifier = approving_runtime.backends.notifier
+    assert isinstance(notifier, SlackNotifier)
+    notifier.max_wait_s = 0  # no retries within a call: Slack is down
+    monkeypatch.setattr("tasks.runtime.APPROVER_RETRY_S", 1.0)
+    slack_api.go_down(503)
+    down = approving_runtime.approvers(wait_s=10)
+    assert down.ids == {"U0CAROL1"} and down.retry
+    assert any(
+        p.startswith("alice@example.com: not resolved yet, Slack could not be asked") for p in down.problems
+    )
+    slack_api.come_back()
+    assert approving_runtime.approvers(wait_s=10) == down  # not asked again at once
+    time.sleep(1.1)
+    assert approving_runtime.approvers(wait_s=10).ids == {"U0CAROL1", "U0ALICE1"}
+
+
+def _click(user_id: str, username: str) -> bytes:
+    value = json.dumps({"flow_run": "7b0e1f7c-43a4-4b8e-9a37-3d4f1b1e0c11", "incident": "inc-42"})
+    payload = {
+        "type": "block_actions",
+        "user": {"id": user_id, "username": username, "name": username},
+        "actions": [{"action_id": APPROVE_ACTION, "value": value, "type": "button"}],
+    }
+    return urlencode({"payload": json.dumps(payload)}).encode()
+
+
+def test_a_click_is_matched_by_slack_user_id_never_by_display_name(
+    approving_runtime: Runtime, sqlite_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLACK_SIGNING_SECRET", SECRET)
+    resumed: list[dict[str, object]] = []
+    callbacks = SlackCallbacks(
+        approvers=lambda: approving_runtime.approvers().ids,  # as `medic serve` wires it
+        resume=lambda _run, answer: resumed.append(answer),
+        claim=lambda _incident, _approved, _by: (None, True),
+        reopen=lambda _id: None,
+    )
+    approving_runtime.policy()
+    app = create_app(sqlite_store, tokens={"t"}, hmac_secret=None, on_accepted=None, slack=callbacks)
+    with TestClient(app) as client:
+
+        def click(user_id: str, username: str) -> dict[str, object]:
+            body = _click(user_id, username)
+            answer = client.post(
+                "/v1/slack/interactions", content=body, headers=signed_headers(body, int(time.time()))
+            )
+            assert answer.status_code == 200
+            return answer.json()
+
+        # Mallory renamed herself "alice", the approver's name: her id is not alice's.
+        assert "not an approver" in str(click("U0MALLORY", "alice")["text"])
+        # An email Slack does not know lets nobody in, whatever the clicker's name says.
+        assert "not an approver" in str(click("U0GHOST01", "ghost")["text"])
+        assert resumed == []
+        assert "approved by alice" in str(click("U0ALICE1", "alice")["text"])
+    assert resumed == [{"approved": True, "by": "U0ALICE1", "via": "slack"}]

@@ -8,6 +8,7 @@ boot time, which is what slurmctld checks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ from typing import TypeVar
 import pytest
 
 from integrations.polling import NodeNotBackError
+from integrations.registry import Backends
 from integrations.slurm import (
     NodeHeldByOthersError,
     NotRequeueableError,
@@ -39,8 +41,10 @@ from integrations.slurm import (
 )
 from integrations.slurm.records import SlurmJob, SlurmNode
 from medic.config import REPO_ROOT
-from medic.protocols import JobState, NodeProvider, NodeState, Scheduler
+from medic.protocols import BootClock, JobState, NodeProvider, NodeState, Scheduler
 from medic.store import Store
+from tasks.reconcile import reconcile_intents
+from tasks.runtime import Runtime
 
 pytestmark = pytest.mark.system
 
@@ -309,6 +313,31 @@ def test_ready_only_with_a_later_boot_time(slurm: Cluster, scheduler: SlurmSched
     assert scheduler.node(node).drained_by_medic  # back, still out of service until verified
 
 
+def test_a_reboot_cut_off_by_a_crash_is_settled_from_slurms_boot_time(
+    slurm: Cluster, scheduler: SlurmScheduler, sim_backends: Backends, sqlite_store: Store
+) -> None:
+    node, idle = NODES[2], NODES[1]
+    provider = SlurmRebootProvider(poll_interval_s=0.1)
+    assert isinstance(provider, BootClock)
+    rt = Runtime(
+        sqlite_store,
+        dataclasses.replace(sim_backends, provider=provider),
+        REPO_ROOT / "policies" / "default.yaml",
+    )
+    scheduler.drain(node, "medic: reboot incident K1")
+    sqlite_store.claim_action(f"K1:{node}:reboot", "K1", node, "reboot")
+    provider.reboot(node)  # the request went out; the process died before recording it
+    sqlite_store.claim_action(f"K2:{idle}:reboot", "K2", idle, "reboot")  # died before the request
+    assert provider.wait_ready(node, 30)
+
+    assert reconcile_intents(rt, {"K1", "K2"}) == [
+        f"K1:{node}:reboot: done (booted after the intent)",
+        f"K2:{idle}:reboot: not done (may be retried)",
+    ]
+    done = sqlite_store.get_action(f"K1:{node}:reboot")
+    assert done is not None and done.status == "succeeded" and "reconciled" in done.detail
+
+
 def test_a_reboot_that_never_happens_is_not_back(slurm: Cluster, scheduler: SlurmScheduler) -> None:
     """The reboot waits for the node's job, then an admin cancels it: the flags clear and the node looks
     normal again, but on the boot it had before. The old check called that ready."""
@@ -452,8 +481,10 @@ def test_ingest_xid79_drains_requeues_reboots_verifies_and_resumes(slurm: Cluste
     assert (incident.action, incident.status) == ("reboot", "closed"), incident.outcome
     detail = store.incident_detail(incident.id)
     assert detail is not None
+    # The job was moved off before the reboot (docs/decisions/0008), then waited on, not requeued again.
     assert {a.action: a.status for a in detail.actions} == {
         "drain": "succeeded",
+        "requeue": "succeeded",
         "reboot": "succeeded",
         "resume": "succeeded",
     }
@@ -468,7 +499,7 @@ def test_ingest_xid79_drains_requeues_reboots_verifies_and_resumes(slurm: Cluste
     # The same event again: one action per fault, never two.
     again = _ingest(slurm, tmp_path, [event])
     assert again.returncode == 0, again.stderr
-    assert len(store.incident_detail(incident.id).actions) == 3  # type: ignore[union-attr]
+    assert len(store.incident_detail(incident.id).actions) == 4  # type: ignore[union-attr]
 
 
 def test_ingest_leaves_an_admin_drained_node_alone(slurm: Cluster, tmp_path: Path) -> None:

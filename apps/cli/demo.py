@@ -6,12 +6,16 @@ included, must not pay Prefect's import.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
+from uuid import UUID
 
 import typer
 from rich.table import Table
@@ -24,6 +28,7 @@ from integrations.sim.notifier import RecordingNotifier
 from medic.config import load_settings
 from medic.events import event_time
 from medic.intake import read_lines
+from medic.protocols import Message
 from medic.store import Store
 from tasks.runtime import Runtime, configure
 
@@ -135,10 +140,65 @@ def build_scenario(now: datetime | None = None) -> Scenario:
     return Scenario(fleet, lines, story)
 
 
+# How long the demo's approver waits for a run to pause for its answer.
+PAUSE_WAIT_S = 60.0
+DEMO_ANSWER = {
+    "approved": True,
+    "by": "demo",
+    "via": "demo",
+    "comment": "medic demo answers its own approval requests",
+}
+
+
+class DemoApprover:
+    """The people in Slack, played by the demo: it records messages as the simulated notifier
+    does, and answers each approval request as a click would, through Prefect's
+    `resume_flow_run` with the typed input the flow waits for (flows/approval.py)."""
+
+    def __init__(self, recorder: RecordingNotifier) -> None:
+        self.recorder = recorder
+        self.answered: list[str] = []
+
+    def post(self, message: Message) -> str:
+        ref = self.recorder.post(message)
+        if message.approval_run:
+            threading.Thread(target=self._approve, args=(message,), daemon=True).start()
+        return ref
+
+    def reply(self, thread: str, text: str) -> None:
+        self.recorder.reply(thread, text)
+
+    def _approve(self, message: Message) -> None:
+        from prefect.flow_runs import resume_flow_run
+
+        assert message.approval_run is not None
+        run_id = UUID(message.approval_run)
+        deadline = time.monotonic() + PAUSE_WAIT_S
+        while not asyncio.run(_is_paused(run_id)):  # the request goes out just before the pause
+            if time.monotonic() > deadline:
+                console.print(f"[red]the demo's approver gave up: {message.title} never paused[/red]")
+                return
+            time.sleep(0.2)
+        resume_flow_run(run_id, run_input=DEMO_ANSWER)
+        self.answered.append(message.title)
+        console.print(f"[bold green]approved by demo[/bold green]: {message.title} ({message.incident})")
+
+
+async def _is_paused(run_id: UUID) -> bool:
+    from prefect.client.orchestration import get_client
+
+    async with get_client() as client:
+        run = await client.read_flow_run(run_id)
+    return bool(run.state and run.state.is_paused())
+
+
 def simulated_backends(scenario: Scenario) -> tuple[registry.Backends, RecordingNotifier]:
+    """The simulated backends, with the demo's approver in place of the people in Slack."""
     backends, _ = registry.simulated(scenario.fleet)
     assert isinstance(backends.notifier, RecordingNotifier)
-    return backends, backends.notifier
+    recorder = backends.notifier
+    backends.notifier = DemoApprover(recorder)
+    return backends, recorder
 
 
 def write_events(lines: list[str], path: Path) -> Path:
@@ -148,7 +208,7 @@ def write_events(lines: list[str], path: Path) -> Path:
 
 
 def stage_columns() -> Iterator[str]:
-    yield from ("triage", "diagnose", "decide", "act", "resume job", "verify", "notify", "close")
+    yield from ("triage", "diagnose", "decide", "approval", "act", "resume job", "verify", "notify", "close")
 
 
 def _stage_times(store: Store, incident_ids: list[str]) -> Table:
@@ -190,6 +250,7 @@ def demo(
     console.rule("[bold]GPU Medic demo[/bold]: 8 simulated nodes, 2 training jobs")
     for line in scenario.story:
         console.print(f"  • {line}")
+    console.print('  • the policy asks a human before replacing a node: the demo answers as one ("demo")')
     console.print(f"[dim]events: {events_file}; store: {database}; policy: {loaded.path}[/dim]\n")
     intake = read_lines(scenario.lines, events_file.name)
     dispatch = run_flows(remediate_all(rt, intake))

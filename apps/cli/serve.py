@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
     from apps.server.slack import SlackCallbacks
     from flows.live import LiveDispatcher
-    from medic.store.tables import IncidentRecord
 
 
 class Dispatch(StrEnum):
@@ -55,7 +54,13 @@ def serve(
         # An embedded Prefect server has no workers: every incident would wait forever.
         err.print("[red]error:[/red] --dispatch prefect needs PREFECT_API_URL: the server the workers poll")
         raise typer.Exit(2)
-    dispatcher, slack = _remediation(dispatch)
+    dispatcher, slack = _remediation(dispatch, port)
+    policy = dispatcher.rt.policy_status()
+    if policy.sha256 is None:
+        # No policy has ever loaded: every accepted event would wait for an incident that cannot be
+        # decided. Refuse to start rather than acknowledge faults we cannot handle.
+        err.print(f"[red]error:[/red] {escape(policy.problem or 'no policy loads')}")
+        raise typer.Exit(2)
     try:
         run_server(
             host,
@@ -64,14 +69,14 @@ def serve(
             slack=slack,
             log_level=log_level,
             access_log=access_log,
-            on_start=_resumer(dispatcher) if dispatch is Dispatch.LOCAL else None,
+            on_start=_pickup(dispatcher) if dispatch is Dispatch.LOCAL else None,
         )
     except ServeConfigError as error:
         err.print(f"[red]error:[/red] {escape(str(error))}")
         raise typer.Exit(2) from None
 
 
-def _remediation(dispatch: Dispatch) -> tuple[LiveDispatcher, SlackCallbacks]:
+def _remediation(dispatch: Dispatch, port: int) -> tuple[LiveDispatcher, SlackCallbacks]:
     """The dispatcher (the warm path, or the trigger's) and Slack's approval callbacks.
 
     Imported here, not at the top: `medic triage` and `medic emit` must not load Prefect.
@@ -80,14 +85,17 @@ def _remediation(dispatch: Dispatch) -> tuple[LiveDispatcher, SlackCallbacks]:
 
     from apps.server.slack import SlackCallbacks
     from flows.deployed import DeployedDispatcher
+    from flows.leases import Leases, runner_name
     from flows.live import LiveDispatcher
     from tasks.runtime import current
 
     rt = current()
-    dispatcher = LiveDispatcher(rt) if dispatch is Dispatch.LOCAL else DeployedDispatcher(rt)
+    leases = Leases(rt.store, runner_name(f"serve-{port}"))
+    kind = LiveDispatcher if dispatch is Dispatch.LOCAL else DeployedDispatcher
+    dispatcher = kind(rt, leases)
     dispatcher.warm_up_in_background()  # Prefect's API starts now, not when the first fault arrives
     slack = SlackCallbacks(
-        approvers=lambda: rt.policy().policy.approvals.approvers,
+        approvers=lambda: rt.approvers().ids,
         resume=resume_flow_run,
         claim=lambda incident, approved, by: rt.store.claim_answer(
             incident, approved=approved, by=by, via="slack"
@@ -97,42 +105,20 @@ def _remediation(dispatch: Dispatch) -> tuple[LiveDispatcher, SlackCallbacks]:
     return dispatcher, slack
 
 
-def _resumer(dispatcher: LiveDispatcher) -> Callable[[], Awaitable[None]]:
-    """At startup, a flow run for every incident still being handled in the store.
-
-    With local dispatch the flow runs live in this process: an incident still open, remediating
-    or waiting for approval when the service starts was left so by the one before it (stopped,
-    or killed, mid-run). Its run starts again; node actions it already took are not repeated
-    (they are claimed once per incident and action).
-    """
+def _pickup(dispatcher: LiveDispatcher) -> Callable[[], Awaitable[None]]:
+    """From startup on, and every third of a lease, a flow run for every incident still being
+    handled that no live run holds: left so by this service's predecessor (stopped or killed
+    mid-run) or by a replica that died. Node actions already taken are not repeated (they are
+    claimed once per fault), and actions a crash left without an outcome are settled first."""
     import asyncio
-
-    import anyio
-
-    from medic.incidents import Incident
 
     running: set[asyncio.Task[None]] = set()
 
-    async def resume() -> None:
-        records = await anyio.to_thread.run_sync(_unfinished, dispatcher)
-        for record in records:
-            incident = Incident(id=record.id, node=record.node, scope=record.scope)  # type: ignore[arg-type]
-            task = asyncio.create_task(dispatcher.start(incident))
-            running.add(task)
-            task.add_done_callback(running.discard)
+    async def start() -> None:
+        task = asyncio.create_task(dispatcher.pickup_forever(dispatcher.leases.lease_s / 3))
+        running.add(task)  # held: the loop keeps only weak references to tasks
 
-    return resume
-
-
-def _unfinished(dispatcher: LiveDispatcher) -> list[IncidentRecord]:
-    from sqlmodel import col, select
-
-    from medic.statuses import ACTIVE_INCIDENT_STATUSES
-    from medic.store.tables import IncidentRecord
-
-    query = select(IncidentRecord).where(col(IncidentRecord.status).in_(sorted(ACTIVE_INCIDENT_STATUSES)))
-    with dispatcher.rt.store.session() as s:
-        return list(s.exec(query.order_by(col(IncidentRecord.opened_at))))
+    return start
 
 
 def _prefect_api_url() -> str | None:

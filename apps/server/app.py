@@ -43,11 +43,18 @@ OnStart = Callable[[], Awaitable[None]]
 
 
 class IngestReply(BaseModel):
-    """Every posted item is counted in `accepted`, listed in `duplicates` or described in `rejected`."""
+    """Every posted item is counted in `accepted`, listed in `duplicates` or described in `rejected`.
+
+    A flood of bad items is described by a sample: `rejected` holds the first `DEAD_LETTER_SAMPLE`,
+    and then `rejected_total` says how many there were and `dead_lettered` how many of them the
+    dead letter kept verbatim (both only then, so a normal answer is as it always was).
+    """
 
     accepted: int
     duplicates: list[str]
     rejected: list[Problem]
+    rejected_total: int | None = None
+    dead_lettered: int | None = None
 
 
 class _Refused(Exception):
@@ -61,6 +68,7 @@ class Ingested:
     reply: IngestReply
     stored: list[FaultEvent]  # new events, committed
     received: int  # items in the body, valid or not
+    rejected: int  # items in the body that were not events, listed in the reply or not
 
 
 def ingest(
@@ -79,7 +87,7 @@ def commit(store: Store, decoded: Decoded, writes: AbstractContextManager[Any]) 
     """Store the events and the rejections of a decoded body; describe the outcome."""
     with writes:
         stored = store.record_accepted(decoded.events)
-        store.record_rejections(decoded.rejections)
+        dead = store.dead_letter(decoded.rejections)
     unclaimed, duplicates = {e.id for e in stored}, []
     for event in decoded.events:
         if event.id in unclaimed:
@@ -87,7 +95,9 @@ def commit(store: Store, decoded: Decoded, writes: AbstractContextManager[Any]) 
         else:
             duplicates.append(event.id)
     reply = IngestReply(accepted=len(stored), duplicates=duplicates, rejected=decoded.problems)
-    return Ingested(reply, stored, len(decoded.events) + len(decoded.rejections))
+    if dead.rejected != len(decoded.problems) or dead.kept != dead.rejected:
+        reply.rejected_total, reply.dead_lettered = dead.rejected, dead.kept
+    return Ingested(reply, stored, len(decoded.events) + dead.rejected, dead.rejected)
 
 
 def create_app(
@@ -162,6 +172,7 @@ def create_app(
             raise _Refused(
                 401, f"a bearer token or an {SIGNATURE_HEADER} is required", {"WWW-Authenticate": "Bearer"}
             )
+        _refuse_encoded(request)
         content_type = request.headers.get("content-type")
         ce_headers = binary_headers(request.headers.items())  # CloudEvents binary mode
         done = await anyio.to_thread.run_sync(
@@ -173,10 +184,10 @@ def create_app(
         metrics.received.inc(done.received)
         metrics.stored.inc(len(done.stored))
         metrics.duplicates.inc(len(done.reply.duplicates))
-        metrics.rejected.inc(len(done.reply.rejected))
+        metrics.rejected.inc(done.rejected)
         if done.stored and relay is not None:
             relay.send(done.stored)
-        status = 422 if done.reply.rejected else 200
+        status = 422 if done.rejected else 200
         return JSONResponse(done.reply.model_dump(exclude_none=True), status_code=status)
 
     ingest_route("/v1/events", post_events)
@@ -200,6 +211,7 @@ def create_app(
             )
             if stale:
                 raise _Refused(401, stale)
+            _refuse_encoded(request)
             resource = request.headers.get(sentry.RESOURCE_HEADER)
             done = await anyio.to_thread.run_sync(take, body, resource, _remote(request))
             if isinstance(done, sentry.Translated):
@@ -279,13 +291,26 @@ class _Relay:
             log.exception("on_accepted failed for %d events", len(events))
 
 
+def _refuse_encoded(request: Request) -> None:
+    """A compressed body would be read as text and dead-lettered as junk: 415, and nothing stored.
+    Not decompressed either: 16 MiB of gzip can stand for gigabytes."""
+    codings = [c.strip() for c in request.headers.get("content-encoding", "").split(",") if c.strip()]
+    if any(c.lower() != "identity" for c in codings):
+        raise _Refused(
+            415,
+            f"Content-Encoding {', '.join(codings)[:100]} is not supported: send the body uncompressed",
+            {"Accept-Encoding": "identity"},
+        )
+
+
 def _remote(request: Request) -> str:
     return request.client.host if request.client else "unknown"
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    # ASCII digits only: `isdigit` holds for "²" too, which int() refuses.
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise _Refused(413, f"body larger than {limit} bytes")
     chunks, size = [], 0
     async for chunk in request.stream():

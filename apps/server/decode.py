@@ -7,6 +7,7 @@ exactly the rules of a line in an events file (size, NUL characters, the schema)
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from pydantic import BaseModel
 
 from apps.server.cloudevents import HEADER_PREFIX, binary_event, is_cloudevent, to_envelope
 from medic.events import FaultEvent
-from medic.intake import MAX_LINE_BYTES, Rejection, parse_line
+from medic.intake import MAX_LINE_BYTES, Rejection, RejectionSample, parse_line
 
 LINES_TYPES = frozenset(
     {"application/x-ndjson", "application/ndjson", "application/jsonl", "application/x-jsonlines"}
@@ -36,13 +37,16 @@ class Problem(BaseModel):
 
 @dataclass(slots=True)
 class Decoded:
+    """The events of a body, and its rejections as the dead letter takes them: a flood is a sample
+    (the first `DEAD_LETTER_SAMPLE`, each with its `Problem`) and a count, never a list as long as it."""
+
     events: list[FaultEvent] = field(default_factory=list)
-    rejections: list[Rejection] = field(default_factory=list)
+    rejections: RejectionSample = field(default_factory=RejectionSample)
     problems: list[Problem] = field(default_factory=list)
 
     def reject(self, rejection: Rejection, *, index: int | None = None, line: int | None = None) -> None:
-        self.rejections.append(rejection)
-        self.problems.append(Problem(index=index, line=line, error=rejection.reason))
+        if self.rejections.add(rejection):
+            self.problems.append(Problem(index=index, line=line, error=rejection.reason))
 
 
 def media_type(content_type: str | None) -> str:
@@ -107,10 +111,12 @@ def _decode_binary(
 
 def _decode_lines(text: str, remote: str, decoded: Decoded) -> None:
     for number, raw in _lines(text):
-        try:
-            payload = json.loads(raw)
-        except (ValueError, RecursionError):
-            payload = None  # parse_line says why
+        payload = None  # parse_line reads it, and says why when it cannot
+        # Read here too only when the line may be a CloudEvent: a line that holds no "specversion"
+        # and no \u escape (the one way to spell the key otherwise) cannot be one. Junk is read once.
+        if "specversion" in raw or "\\u" in raw:
+            with contextlib.suppress(ValueError, RecursionError):
+                payload = json.loads(raw)
         parsed = _validate(raw, payload, f"http:{remote}:{number}", cloudevent=False)
         if isinstance(parsed, Rejection):
             decoded.reject(parsed, line=number)
@@ -119,10 +125,16 @@ def _decode_lines(text: str, remote: str, decoded: Decoded) -> None:
 
 
 def _lines(text: str) -> Iterator[tuple[int, str]]:
-    # Split on \n only, as a file is read: U+2028 and friends are legal inside a JSON string.
-    for number, line in enumerate(text.split("\n"), start=1):
-        if stripped := line.strip():
+    # Split on \n only, as a file is read: U+2028 and friends are legal inside a JSON string. One
+    # line at a time: a body of a million short lines is never a list of a million strings.
+    start, number = 0, 0
+    while start <= len(text):
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end
+        number += 1
+        if stripped := text[start:end].strip():
             yield number, stripped
+        start = end + 1
 
 
 def _validate(raw: str, payload: Any, origin: str, *, cloudevent: bool) -> FaultEvent | Rejection:

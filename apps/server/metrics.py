@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from medic.store import Store
+from tasks.runtime import PolicyStatus, configured
 
 
 class StoreCollector(Collector):
@@ -22,11 +29,12 @@ class StoreCollector(Collector):
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        up, incidents, actions = self._families()
+        up, incidents, actions, rejected, kept = self._families()
         try:
             open_incidents = self.store.open_incident_count()
             action_counts = self.store.action_counts()
             delays = self.store.decision_delays()
+            dead_letter = self.store.rejection_counts()
         except Exception:  # a scrape while the database is down must still show the ingest counters
             up.add_metric([], 0)
             yield up
@@ -35,15 +43,35 @@ class StoreCollector(Collector):
         incidents.add_metric([], open_incidents)
         for (action, status), count in sorted(action_counts.items()):
             actions.add_metric([action, status], count)
-        yield from (up, incidents, actions, _decision_histogram(delays))
+        # Summed over sources: a source is a client address, too many to be a label.
+        by_class: dict[str, tuple[int, int]] = {}
+        for row in dead_letter:
+            seen, held = by_class.get(row.reason_class, (0, 0))
+            by_class[row.reason_class] = (seen + row.rejected, held + row.kept)
+        for reason_class, (seen, held) in sorted(by_class.items()):
+            rejected.add_metric([reason_class], seen)
+            kept.add_metric([reason_class], held)
+        yield from (up, incidents, actions, rejected, kept, _decision_histogram(delays))
 
     @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily]:
+    def _families() -> tuple[
+        GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily, CounterMetricFamily
+    ]:
         return (
             GaugeMetricFamily("medic_store_up", "1 if the store answered this scrape, else 0."),
             GaugeMetricFamily("medic_incidents_open", "Incidents not closed yet."),
             CounterMetricFamily(
                 "medic_actions", "Node actions recorded in the store.", labels=["action", "status"]
+            ),
+            CounterMetricFamily(
+                "medic_dead_letter_rejected",
+                "Rejected input by reason class, every replica and restart (the store's counts).",
+                labels=["reason_class"],
+            ),
+            CounterMetricFamily(
+                "medic_dead_letter_kept",
+                "Rejected input kept verbatim in the dead letter, by reason class (the rest is counted).",
+                labels=["reason_class"],
             ),
         )
 
@@ -63,8 +91,59 @@ def _decision_histogram(delays: list[float]) -> HistogramMetricFamily:
     return family
 
 
+def _policy_in_force() -> PolicyStatus | None:
+    rt = configured()
+    return rt.policy_status() if rt is not None else None
+
+
+class PolicyCollector(Collector):
+    """Whether the policy file loaded at its last read, and which policy is in force.
+
+    Read at scrape time, as an incident would read it, so a broken edit shows (and can alert)
+    before the next fault does. An app with no runtime (no remediation here) shows nothing.
+    """
+
+    def __init__(self, status: Callable[[], PolicyStatus | None] = _policy_in_force) -> None:
+        self.status = status
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()  # named here, so registering reads no file
+
+    def collect(self) -> Iterator[Metric]:
+        status = self.status()
+        if status is None:
+            return
+        ok, info, since = self._families()
+        ok.add_metric([], 1 if status.last_load_ok else 0)
+        yield ok
+        if status.sha256 is None:
+            return  # nothing in force: no incident can be decided
+        info.add_metric([], {"sha256": status.sha256, "path": status.path})
+        yield info
+        if status.in_force_since is not None:
+            since.add_metric([], status.in_force_since.timestamp())
+            yield since
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, InfoMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "medic_policy_last_load_ok",
+                "1 if the policy file loaded at its last read; 0 if it was refused (the last good "
+                "policy stays in force, see medic_policy_info).",
+            ),
+            InfoMetricFamily("medic_policy", "The policy in force: its file and the SHA-256 of its bytes."),
+            GaugeMetricFamily(
+                "medic_policy_loaded_timestamp_seconds",
+                "When the policy in force was first loaded (Unix time).",
+            ),
+        )
+
+
 class IngestMetrics:
-    def __init__(self, store: Store) -> None:
+    def __init__(
+        self, store: Store, policy_status: Callable[[], PolicyStatus | None] = _policy_in_force
+    ) -> None:
         self.registry = CollectorRegistry()
         self.received = Counter(
             "medic_events_received", "Items posted to an ingest route (valid or not).", registry=self.registry
@@ -92,3 +171,4 @@ class IngestMetrics:
             registry=self.registry,
         )
         self.registry.register(StoreCollector(store))
+        self.registry.register(PolicyCollector(policy_status))

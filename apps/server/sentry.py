@@ -133,7 +133,7 @@ class Options:
     def from_env(cls, env: Mapping[str, str]) -> Options:
         """MEDIC_SENTRY_REPLAY_WINDOW_SECONDS (default 300) and MEDIC_SENTRY_UNMATCHED (ignore, reject)."""
         window = env.get(WINDOW_ENV, "").strip() or str(DEFAULT_WINDOW_S)
-        if not window.isdigit():
+        if not (window.isascii() and window.isdigit()):
             raise ValueError(f"{WINDOW_ENV} must be a whole number of seconds (0: no check), got {window!r}")
         unmatched = env.get(UNMATCHED_ENV, "").strip().lower() or "ignore"
         if unmatched not in ("ignore", "reject"):
@@ -145,9 +145,11 @@ def timestamp_problem(value: str | None, now: float, window_s: int) -> str | Non
     """Why a delivery's Sentry-Hook-Timestamp is refused (missing, stale, from the future), or None."""
     if window_s <= 0:
         return None
-    if not value or not value.strip().isdigit():
+    stamp = (value or "").strip()
+    # ASCII digits only: `isdigit` holds for "²" too, which int() refuses.
+    if not (stamp.isascii() and stamp.isdigit()):
         return f"{TIMESTAMP_HEADER} missing or not Unix seconds: {(value or '')[:40]!r}"
-    skew = now - int(value.strip())
+    skew = now - int(stamp)
     if skew > window_s:
         return f"{TIMESTAMP_HEADER} is {skew:.0f} s old, outside the {window_s} s replay window"
     if -skew > window_s:

@@ -1,13 +1,14 @@
 """`POST /v1/slack/interactions`: an Approve / Reject click resumes the paused flow run.
 
-The signature is checked first (SLACK_SIGNING_SECRET), then that the clicking user is one of the
-policy's approvers; the answer then goes to the run as typed input, exactly as the Prefect UI's
-resume form would send it. Slack wants an answer within 3 s, so only that work happens here.
+The signature is checked first (SLACK_SIGNING_SECRET), then that the clicking user's Slack id is
+one of the policy's approvers (by id alone: anyone can take a display name); the answer then
+goes to the run as typed input, exactly as the Prefect UI's resume form would send it. Slack
+wants an answer within 3 s, so only that work happens here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from uuid import UUID
 
@@ -22,7 +23,9 @@ from medic.store.tables import ApprovalRecord
 
 @dataclass(frozen=True, slots=True)
 class SlackCallbacks:
-    approvers: Callable[[], list[str]]  # read at each click: a policy edit applies at once
+    # The Slack user ids allowed to answer, read at each click so a policy edit applies at once
+    # (Runtime.approvers: emails in the policy already resolved to ids, once per approver list).
+    approvers: Callable[[], Collection[str]]
     resume: Callable[[UUID, dict[str, object]], None]  # prefect.flow_runs.resume_flow_run
     # Store.claim_answer for (incident, approved, by): the first answer wins, atomically.
     claim: Callable[[str, bool, str], tuple[ApprovalRecord | None, bool]]
@@ -56,10 +59,10 @@ async def handle(request: Request, body: bytes, callbacks: SlackCallbacks) -> Re
         return _reply(str(error), 400)
     if click is None:
         return _reply("ok")  # a link button or another action: nothing to do
-    approvers = callbacks.approvers()
-    if not is_approver(click, approvers):
+    approver_ids = await anyio.to_thread.run_sync(callbacks.approvers)
+    if not is_approver(click, approver_ids):
         return _reply(f"{click.user_name} is not an approver for GPU Medic actions; nothing was changed")
-    by = click.user_id if click.user_id in approvers else click.user_name
+    by = click.user_id
     standing, won = await anyio.to_thread.run_sync(callbacks.claim, click.incident, click.approved, by)
     if not won:
         return _reply(_already(click.incident, standing))

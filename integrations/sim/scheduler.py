@@ -75,8 +75,19 @@ class SimScheduler:
                 raise RuntimeError(f"job {job_id}: {needed} spare nodes needed, {len(spare)} idle")
             for name in spare[:needed]:
                 self.fleet.nodes[name].state = NodeState.ALLOCATED
+            left = [n for n in job.nodes if n not in keep]
             job.nodes = keep + spare[:needed]
             job.step = job.last_checkpoint[0] if job.last_checkpoint else 0
             job.state = JobState.RUNNING
             job.restarts += 1
+            self._free(left)
             return self._job_info(job)
+
+    def _free(self, names: list[str]) -> None:
+        """Nodes a requeued job left go idle once no running job holds them, as Slurm frees them; a
+        drained, down or rebooting one stays as it is."""
+        busy = {n for j in self.fleet.jobs.values() if j.state is JobState.RUNNING for n in j.nodes}
+        for name in names:
+            node = self.fleet.nodes[name]
+            if name not in busy and node.state is NodeState.ALLOCATED:
+                node.state = NodeState.IDLE

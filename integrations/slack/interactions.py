@@ -7,6 +7,7 @@ request must be verified (signature.py) before anything here runs, and answered 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from urllib.parse import parse_qs
 
@@ -24,7 +25,7 @@ class ApprovalClick:
     incident: str
     approved: bool
     user_id: str
-    user_name: str
+    user_name: str  # shown in replies only; never trusted
 
 
 def parse_click(body: bytes) -> ApprovalClick | None:
@@ -34,10 +35,13 @@ def parse_click(body: bytes) -> ApprovalClick | None:
         raise InteractionError("no `payload` field: not a Slack interaction")
     try:
         payload = json.loads(fields["payload"][0])
-    except json.JSONDecodeError as error:
-        raise InteractionError(f"payload is not JSON: {error.msg}") from None
-    for action in payload.get("actions") or []:
-        if action.get("action_id") not in (APPROVE_ACTION, REJECT_ACTION):
+    except (ValueError, RecursionError) as error:  # a 5,000-digit number, or nesting past the limit
+        raise InteractionError(f"payload is not JSON: {getattr(error, 'msg', error)}") from None
+    if not isinstance(payload, dict):
+        raise InteractionError(f"payload is not a JSON object: {type(payload).__name__}")
+    actions = payload.get("actions")
+    for action in actions if isinstance(actions, list) else []:
+        if not isinstance(action, dict) or action.get("action_id") not in (APPROVE_ACTION, REJECT_ACTION):
             continue
         try:
             value = json.loads(action["value"])
@@ -49,11 +53,12 @@ def parse_click(body: bytes) -> ApprovalClick | None:
                 user_id=str(user["id"]),
                 user_name=str(user.get("username") or user.get("name") or user["id"]),
             )
-        except (KeyError, TypeError, json.JSONDecodeError) as error:
+        except (KeyError, TypeError, ValueError, RecursionError) as error:
             raise InteractionError(f"malformed approval action: {error}") from None
     return None
 
 
-def is_approver(click: ApprovalClick, approvers: list[str]) -> bool:
-    """Approvers are listed by Slack user id or user name; an empty list lets nobody approve."""
-    return click.user_id in approvers or click.user_name in approvers
+def is_approver(click: ApprovalClick, approver_ids: Collection[str]) -> bool:
+    """Only the clicking user's id counts: a display name can be taken by anyone in the workspace.
+    An empty collection lets nobody approve."""
+    return click.user_id in approver_ids

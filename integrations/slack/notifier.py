@@ -171,6 +171,21 @@ class SlackNotifier:
             blocks=message_blocks(message, url),
         )
 
+    def user_id_by_email(self, email: str) -> str | None:
+        """The id of the active Slack user with this email (`users.lookupByEmail`, which needs the
+        `users:read.email` scope); None when Slack has none, or only a deactivated one."""
+        try:
+            response = self._call("users.lookupByEmail", self._client.users_lookupByEmail, email=email)
+        except NotifyRefusedError as error:
+            cause = error.__cause__
+            if isinstance(cause, SlackApiError) and cause.response.get("error") == "users_not_found":
+                return None
+            raise
+        user = response.get("user") or {}
+        if user.get("deleted") or not user.get("id"):
+            return None
+        return str(user["id"])
+
     def _api_pause(self, attempt: int, error: SlackApiError) -> float | None:
         """How long to wait before trying again after Slack answered with an error; None when trying again
         cannot help (a refusal such as invalid_auth or channel_not_found)."""

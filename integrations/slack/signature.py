@@ -70,6 +70,11 @@ def verify(
     now = time.time() if now is None else now
     lowered = check_headers(headers, now)
     stamp = lowered[TIMESTAMP_HEADER]
+    # slack-sdk decodes the body as UTF-8 and would raise on any other bytes: Slack sends ASCII forms.
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SignatureError("the body is not UTF-8 text: not from Slack") from None
     verifier = SignatureVerifier(key, clock=_FixedClock(now))
     if not verifier.is_valid(body=body, timestamp=stamp, signature=lowered[SIGNATURE_HEADER]):
         raise SignatureError("signature does not match the body: not from Slack, or altered on the way")

@@ -162,6 +162,12 @@ class SlurmRebootProvider:
             return None  # answering, but on the boot it had before the request: it never left
         return verdict
 
+    def booted_at(self, node: str) -> datetime | None:
+        """The node's BootTime as slurmd last registered it; None before it ever did. Lets a
+        reboot whose outcome a crash lost be settled from Slurm's record (tasks/reconcile.py)."""
+        _, booted = self._observe(node)
+        return None if booted is None else datetime.fromtimestamp(booted, UTC)
+
     def wait_ready(self, node: str, timeout_s: float) -> bool:
         """After a reboot or replacement requested through this provider: True once Slurm shows a BootTime
         later than the one recorded at the request and the node is answering again (drained or not);

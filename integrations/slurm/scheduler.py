@@ -19,16 +19,26 @@ from integrations.slurm.errors import (
     ResumeRefusedError,
     SlurmCommandError,
     SlurmError,
+    SlurmUnreachableError,
     UnknownJobError,
     UnknownSlurmNodeError,
 )
 from integrations.slurm.records import SlurmJob
 from medic.protocols import JobInfo, JobState, NodeInfo
 
+# What squeue's JSON says of a job that `scontrol requeuehold` put back in the queue held: a hold
+# reason, and this description (a plain `scontrol hold` leaves the description empty).
+HELD_REASONS = frozenset({"JobHeldUser", "JobHeldAdmin"})
+REQUEUED_HELD = "requeued in held state"
+RELEASE_TRIES = 3
+
 
 class SlurmScheduler:
     def __init__(self, cli: SlurmCli | None = None) -> None:
         self.cli = cli or SlurmCli()
+        # Jobs this scheduler requeued held and has not seen released: a later requeue of one finds
+        # it pending and releases it. Someone else's hold on a pending job is never released.
+        self._holding: set[str] = set()
 
     def nodes(self) -> list[NodeInfo]:
         return sorted((n.info() for n in self.cli.nodes()), key=lambda n: n.name)
@@ -77,7 +87,8 @@ class SlurmScheduler:
         only change while a job is pending, and the hold keeps it from starting again before the
         exclusion is in place. Slurm starts it again once the old job credential expires
         (AuthInfo cred_expire, 120 s by default). A job that is already pending (Slurm requeued it
-        itself, e.g. when a node went down) only gets the exclusion.
+        itself, e.g. when a node went down) only gets the exclusion, unless it is one this scheduler
+        requeued held and could not release before (a timeout): then it is released too.
         """
         job = self._slurm_job(job_id)
         if job is None:
@@ -87,31 +98,68 @@ class SlurmScheduler:
         if unknown:
             raise UnknownSlurmNodeError(", ".join(unknown))
         excluded = ",".join(filter(None, [job.excluded, *exclude]))
-        state = job.job_state
-        if state is JobState.PENDING:
-            if exclude:
-                self._exclude(job_id, excluded)
-        elif state is JobState.RUNNING:
-            try:
-                self.cli.scontrol("requeuehold", job.id)
-            except SlurmCommandError as error:
-                if "presently disabled" in error.detail:
-                    raise NotRequeueableError(
-                        job_id, "it does not allow requeues (submitted with --no-requeue, or JobRequeue=0)"
-                    ) from error
-                raise
+        if job.job_state is JobState.RUNNING:
+            self._requeue_held(job.id)
+        elif job.job_state is not JobState.PENDING:
+            raise NotRequeueableError(job_id, f"it has ended ({job.state})")
+        if job.id in self._holding:
             try:
                 if exclude:
                     self._exclude(job_id, excluded)
             finally:
                 # Never leave the job held: without the exclusion it still runs, off our drained node.
-                self.cli.scontrol("release", job.id)
-        else:
-            raise NotRequeueableError(job_id, f"it has ended ({job.state})")
+                self._release(job.id)
+        elif exclude:
+            self._exclude(job_id, excluded)
         after = self.job(job_id)
         if after is None:
             raise UnknownJobError(job_id)
         return after
+
+    def _requeue_held(self, job_id: str) -> None:
+        # Marked before the call, and kept after a timeout: the requeuehold may have taken effect
+        # (or take effect late), and the next requeue of a job marked here releases it if pending.
+        self._holding.add(job_id)
+        try:
+            self.cli.scontrol("requeuehold", job_id)
+        except SlurmUnreachableError:
+            # No answer is not a refusal: slurmctld may have requeued the job held and only the reply
+            # was lost. Then nothing but our release starts it again, so read it back and go on to the
+            # release when it sits held by that requeue; still running, the error stands.
+            if not self._requeued_held(job_id):
+                raise
+        except SlurmCommandError as error:
+            self._holding.discard(job_id)  # refused: nothing was held
+            if "presently disabled" in error.detail:
+                raise NotRequeueableError(
+                    job_id, "it does not allow requeues (submitted with --no-requeue, or JobRequeue=0)"
+                ) from error
+            raise
+
+    def _release(self, job_id: str) -> None:
+        """Release a job we requeued held. A release that times out is asked again while the job still
+        reads held (releasing sets a state, and releasing a job that is not held is a no-op)."""
+        for attempt in range(1, RELEASE_TRIES + 1):
+            try:
+                self.cli.scontrol("release", job_id)
+            except SlurmUnreachableError:
+                if self._requeued_held(job_id):
+                    if attempt < RELEASE_TRIES:
+                        continue
+                    raise  # it stays in `_holding`: the next requeue of the job releases it
+            self._holding.discard(job_id)
+            return
+
+    def _requeued_held(self, job_id: str) -> bool:
+        """Whether the job waits held by a `requeuehold`, read from squeue's JSON (SlurmJob keeps
+        neither field: nothing else needs them)."""
+        doc = self.cli._json("squeue", "--json")
+        raw = next((j for j in doc.get("jobs") or [] if str(j.get("job_id")) == job_id), None)
+        return (
+            raw is not None
+            and raw.get("state_reason") in HELD_REASONS
+            and REQUEUED_HELD in str(raw.get("state_description") or "")
+        )
 
     def _exclude(self, job_id: str, hostlist: str) -> None:
         try:

@@ -11,12 +11,14 @@ from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     NonNegativeInt,
     PositiveInt,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -25,6 +27,7 @@ from medic.dcgm_errors import Severity
 from medic.errors import PermanentError
 from medic.events import EventKind
 from medic.incidents import StormRule, Storms
+from medic.policy.approvers import APPROVER_PATTERN, check_entry
 from medic.xid import RecoveryAction, Resolution
 
 # Windows, gaps and cooldowns are bounded: a duration of a year is already beyond any rule's
@@ -294,15 +297,26 @@ class Guardrails(_Strict):
     )
 
 
+Approver = Annotated[
+    str,
+    AfterValidator(check_entry),
+    # Editors flag a display name as it is typed; the loader's own message says why.
+    WithJsonSchema({"type": "string", "pattern": APPROVER_PATTERN}),
+]
+
+
 class Approvals(_Strict):
     """Who may approve actions the policy reserves for humans, and what happens without an answer."""
 
-    approvers: list[str] = Field(
-        default_factory=list, description="Slack user ids or names allowed to approve or reject."
+    approvers: list[Approver] = Field(
+        default_factory=list,
+        description="Slack user ids (U... or W...) or emails allowed to approve or reject; never display "
+        "names, which anyone can take. An email is resolved to its user's id through Slack.",
     )
     required_for: list[Action] = Field(
         default_factory=list,
-        description="Actions that always need approval on this cluster (e.g. [replace]).",
+        description="Actions that always need a human's approval, whatever rule asks for them "
+        "(the default policy: [replace], which wipes the node).",
     )
     timeout_minutes: float = Field(60, gt=0, le=MAX_MINUTES)
     on_timeout: Literal["escalate", "proceed"] = Field(

@@ -35,6 +35,7 @@ class Expect(BaseModel):
     rule: str | None = None
     diagnose_level: int | None = None
     guardrail: str | None = None
+    approve: bool | None = Field(None, description="Whether a human must approve the action first.")
 
 
 class PolicyTest(BaseModel):
@@ -100,7 +101,7 @@ def run_test(loaded: LoadedPolicy, test: PolicyTest, index: int = 0) -> TestResu
         return TestResult(test.name, False, (f"no incident on node {expect.node}",), "-")
     _, decision = chosen[-1]
     differences = []
-    for field_name in ("action", "classification", "rule", "diagnose_level", "guardrail"):
+    for field_name in ("action", "classification", "rule", "diagnose_level", "guardrail", "approve"):
         wanted = getattr(expect, field_name)
         if wanted is None:
             continue

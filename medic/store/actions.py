@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime
 
-from sqlalchemy import update
+from sqlalchemy import or_, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
@@ -58,6 +58,28 @@ class ActionsMixin(StoreBase):
                 s.rollback()
                 return s.exec(select(ActionRecord).where(ActionRecord.key == key)).one(), False
             return row, True
+
+    def covering_action(
+        self, node: str, fault_until: datetime, actions: Iterable[str], other_than: str
+    ) -> ActionRecord | None:
+        """Our action of these kinds on the node, for an incident other than `other_than`, that came
+        after a fault's evidence ended at `fault_until`: it finished then or later, or has no outcome.
+
+        A destructive action is claimed per node and fault episode, not only per incident: the
+        evidence of a fault that a reboot already followed is that reboot's, whichever incident
+        (replica, restart, late duplicate) it arrives in. Evidence after it is a new episode.
+        """
+        query = (
+            select(ActionRecord)
+            .where(ActionRecord.node == node)
+            .where(ActionRecord.incident_id != other_than)
+            .where(col(ActionRecord.action).in_(list(actions)))
+            .where(col(ActionRecord.status).in_([ActionStatus.INTENT, ActionStatus.SUCCEEDED]))
+            .where(or_(col(ActionRecord.finished_at).is_(None), col(ActionRecord.finished_at) >= fault_until))
+            .order_by(col(ActionRecord.intent_at).desc())
+        )
+        with self.session() as s:
+            return s.exec(query).first()
 
     def unfinished_actions(self) -> list[ActionRecord]:
         """Intents without an outcome: a process died between the call and its record."""

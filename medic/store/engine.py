@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event as sa_event
-from sqlalchemy import text
+from sqlalchemy import inspect, text
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.schema import CreateIndex
 from sqlmodel import Session, SQLModel, create_engine
 
@@ -36,6 +36,25 @@ def _sqlite_pragmas(engine: Engine) -> None:
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA busy_timeout=10000")
         cursor.close()
+
+
+def _ensure_columns(engine: Engine) -> None:
+    """Nullable columns added since a table was first created: `create_all` leaves existing tables
+    as they are, and a store written by an earlier release must keep working after an upgrade."""
+    existing = inspect(engine)
+    for table in SQLModel.metadata.sorted_tables:
+        have = {c["name"] for c in existing.get_columns(table.name)}
+        for column in table.columns:
+            if column.name in have or not column.nullable:
+                continue
+            kind = column.type.compile(dialect=engine.dialect)
+            try:
+                with engine.begin() as connection:
+                    connection.execute(text(f'ALTER TABLE {table.name} ADD COLUMN "{column.name}" {kind}'))
+            except DBAPIError:
+                # Another process starting at the same moment added it first.
+                if column.name not in {c["name"] for c in inspect(engine).get_columns(table.name)}:
+                    raise
 
 
 def _ensure_indexes(engine: Engine) -> None:
@@ -58,6 +77,7 @@ class StoreBase:
         if self.engine.dialect.name == "sqlite":
             _sqlite_pragmas(self.engine)
         SQLModel.metadata.create_all(self.engine)
+        _ensure_columns(self.engine)
         _ensure_indexes(self.engine)
 
     def close(self) -> None:

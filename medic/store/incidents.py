@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlmodel import col, select
+from sqlalchemy import or_, update
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, col, select
 
 from medic.incidents import Incident
-from medic.store.engine import StoreBase
+from medic.statuses import ACTIVE_INCIDENT_STATUSES, IncidentStatus
+from medic.store.engine import StoreBase, utcnow
 from medic.store.tables import (
     ActionRecord,
     DecisionRecord,
@@ -40,16 +43,7 @@ class IncidentsMixin(StoreBase):
         with self.session() as s:
             row = s.get(IncidentRecord, incident.id)
             if row is None:
-                row = IncidentRecord(
-                    id=incident.id,
-                    node=incident.node,
-                    scope=incident.scope,
-                    switch=incident.switch,
-                    opened_at=incident.opened_at,
-                    last_event_at=incident.last_at,
-                    jobs=incident.jobs,
-                    owner=owner,
-                )
+                row = _new_row(incident, owner)
             else:
                 row.last_event_at = max(row.last_event_at, incident.last_at)
                 row.jobs = sorted(set(row.jobs or []) | set(incident.jobs))
@@ -57,6 +51,97 @@ class IncidentsMixin(StoreBase):
             s.add(row)
             s.commit()
             return row
+
+    def open_or_join(
+        self, incident: Incident, *, runner: str, lease_s: float, owner: str | None = None
+    ) -> tuple[IncidentRecord, bool]:
+        """Open the incident with its lease held by `runner`, or join its events to the one being
+        handled for the same node (switch). Returns (row, True) when the caller opened it and must
+        run it; (row, False) when the events joined an incident that is someone's already.
+
+        One active incident per subject is a unique partial index, so two replicas (or an ingest
+        beside them) racing to open one get one incident between them; an incident id handled
+        before (replayed input) is not opened again, and one whose run failed is run again.
+        """
+        while True:
+            with self.session() as s:
+                row = _active(s, incident.node, incident.scope) or s.get(IncidentRecord, incident.id)
+                if row is not None and row.status != IncidentStatus.FAILED:
+                    _join(s, row, incident, owner)
+                    return row, False
+                lease = {"runner": runner, "lease_until": utcnow() + timedelta(seconds=lease_s)}
+                if row is None:
+                    row = _new_row(incident, owner)
+                else:  # its run raised: replayed input runs it again, from the top
+                    _join(s, row, incident, owner)
+                    row.status = IncidentStatus.OPEN
+                for name, value in lease.items():
+                    setattr(row, name, value)
+                s.add(row)
+                try:
+                    s.commit()
+                except IntegrityError:  # another process opened the subject's incident first: join it
+                    s.rollback()
+                    continue
+                _tie_events(s, row.id, incident)
+                s.commit()
+                return row, True
+
+    def claim_incident(self, incident_id: str, runner: str, lease_s: float, dead: Iterable[str] = ()) -> bool:
+        """Take the lease on an incident still being handled if no live run holds it: none holds
+        it, its lease lapsed, or its holder is one of the `dead` runners.
+
+        One conditional update: of two processes picking up the same orphan, one gets it."""
+        now = utcnow()
+        query = (
+            update(IncidentRecord)
+            .where(col(IncidentRecord.id) == incident_id)
+            .where(col(IncidentRecord.status).in_(sorted(ACTIVE_INCIDENT_STATUSES)))
+            .where(_unheld(now, dead))
+            .values(runner=runner, lease_until=now + timedelta(seconds=lease_s))
+        )
+        with self.session() as s:
+            taken = s.exec(query).rowcount == 1
+            s.commit()
+            return taken
+
+    def renew_leases(self, runner: str, incident_ids: Iterable[str], lease_s: float) -> int:
+        """Extend the leases `runner` holds; returns how many it still holds."""
+        ids = list(incident_ids)
+        if not ids:
+            return 0
+        query = (
+            update(IncidentRecord)
+            .where(col(IncidentRecord.id).in_(ids))
+            .where(col(IncidentRecord.runner) == runner)
+            .values(lease_until=utcnow() + timedelta(seconds=lease_s))
+        )
+        with self.session() as s:
+            renewed = s.exec(query).rowcount
+            s.commit()
+            return renewed
+
+    def incident_runners(self) -> set[str]:
+        """The runners holding leases on incidents still being handled."""
+        query = (
+            select(IncidentRecord.runner)
+            .where(col(IncidentRecord.status).in_(sorted(ACTIVE_INCIDENT_STATUSES)))
+            .where(col(IncidentRecord.runner).is_not(None))
+            .distinct()
+        )
+        with self.session() as s:
+            return {r for r in s.exec(query) if r}
+
+    def orphaned_incidents(self, dead: Iterable[str] = ()) -> list[IncidentRecord]:
+        """Incidents still being handled that no live run holds, oldest first."""
+        query = (
+            select(IncidentRecord)
+            .where(col(IncidentRecord.status).in_(sorted(ACTIVE_INCIDENT_STATUSES)))
+            .where(_unheld(utcnow(), dead))
+            .order_by(col(IncidentRecord.opened_at))
+        )
+        with self.session() as s:
+            return list(s.exec(query))
 
     def update_incident(self, incident_id: str, **fields: Any) -> IncidentRecord:
         with self.session() as s:
@@ -134,3 +219,56 @@ class IncidentsMixin(StoreBase):
                 decisions=rows(DecisionRecord, col(DecisionRecord.id)),
                 actions=rows(ActionRecord, col(ActionRecord.id)),
             )
+
+
+def _unheld(now: datetime, dead: Iterable[str]) -> Any:
+    return or_(
+        col(IncidentRecord.runner).is_(None),
+        col(IncidentRecord.runner).in_(list(dead)),
+        col(IncidentRecord.lease_until).is_(None),
+        col(IncidentRecord.lease_until) < now,
+    )
+
+
+def _active(s: Session, subject: str, scope: str) -> IncidentRecord | None:
+    query = (
+        select(IncidentRecord)
+        .where(IncidentRecord.node == subject)
+        .where(IncidentRecord.scope == scope)
+        .where(col(IncidentRecord.status).in_(sorted(ACTIVE_INCIDENT_STATUSES)))
+    )
+    return s.exec(query).first()
+
+
+def _new_row(incident: Incident, owner: str | None) -> IncidentRecord:
+    return IncidentRecord(
+        id=incident.id,
+        node=incident.node,
+        scope=incident.scope,
+        switch=incident.switch,
+        opened_at=incident.opened_at,
+        last_event_at=incident.last_at,
+        jobs=incident.jobs,
+        owner=owner,
+    )
+
+
+def _join(s: Session, row: IncidentRecord, incident: Incident, owner: str | None) -> None:
+    """More evidence for an incident: its events are tied to it, its times and jobs widened."""
+    row.last_event_at = max(row.last_event_at, incident.last_at)
+    row.jobs = sorted(set(row.jobs or []) | set(incident.jobs))
+    row.owner = row.owner or owner
+    s.add(row)
+    _tie_events(s, row.id, incident)
+    s.commit()
+
+
+def _tie_events(s: Session, incident_id: str, incident: Incident) -> None:
+    ids = [e.id for e in incident.events]
+    if ids:
+        s.exec(
+            update(EventRecord)
+            .where(col(EventRecord.id).in_(ids))
+            .where(col(EventRecord.incident_id).is_(None))
+            .values(incident_id=incident_id)
+        )

@@ -51,8 +51,41 @@ class RejectedRecord(SQLModel, table=True):
     reason: str = Field(sa_column=Column(Text, nullable=False))
 
 
+class RejectionCountRecord(SQLModel, table=True):
+    """Every rejection, counted by where it came from and why: the dead letter keeps only a
+    sample of a flood (medic/store/rejections.py), so this is what says how big the flood was."""
+
+    __tablename__ = "rejection_counts"
+    __table_args__ = (UniqueConstraint("source", "reason_class"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    source: str  # the origin without its line or index: `http:10.0.0.7`, `events.jsonl`
+    reason_class: str  # medic.intake.reason_class: a few words, so that the rows stay few
+    rejected: int = Field(default=0, sa_type=BigInteger)
+    kept: int = Field(default=0, sa_type=BigInteger)  # of them, rows in rejected_events
+    first_seen: datetime = _time()
+    last_seen: datetime = _time(index=True)
+
+
+# The statuses of an incident still being handled (medic.statuses.ACTIVE_INCIDENT_STATUSES), spelled
+# out for the partial index: an index's WHERE clause is SQL, fixed when the index is created.
+_ACTIVE_SQL = "status IN ('open', 'remediating', 'waiting for approval')"
+
+
 class IncidentRecord(SQLModel, table=True):
     __tablename__ = "incidents"
+    # One incident at a time is handled per node (per switch for a storm), whatever the number of
+    # replicas and ingests opening one at once: the loser's events join the winner's incident.
+    __table_args__ = (
+        Index(
+            "uq_incidents_one_active",
+            "node",
+            "scope",
+            unique=True,
+            sqlite_where=text(_ACTIVE_SQL),
+            postgresql_where=text(_ACTIVE_SQL),
+        ),
+    )
 
     id: str = Field(primary_key=True)
     node: str = Field(index=True)  # the switch's name when scope is "switch"
@@ -71,6 +104,10 @@ class IncidentRecord(SQLModel, table=True):
     outcome: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     flow_run_id: str | None = None
     flow_run_name: str | None = None
+    # The process whose run handles the incident, until when (renewed while it runs): a run that
+    # died lets its lease lapse, and another process picks the incident up (flows/leases.py).
+    runner: str | None = None
+    lease_until: datetime | None = _time(nullable=True)
 
 
 class StepRecord(SQLModel, table=True):
