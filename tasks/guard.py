@@ -15,12 +15,14 @@ or task) checks again without taking the slot a second time.
 The slot is taken with Prefect's lease API directly rather than `prefect.concurrency`: on the
 embedded (SQLite) server an acquisition that meets a concurrent write is answered 503, and
 Prefect's client waits a fixed 2 s before trying again. That wait sat between a fault and its
-drain; here a busy answer is retried after milliseconds. A holder that dies frees the slot
-when its lease runs out.
+drain; here a busy answer is retried after milliseconds. The lease is short and renewed while
+held, so a holder that dies (a replica killed mid-action) frees the slot within about 75 s.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,8 +41,13 @@ from medic.store import utcnow
 from tasks.evidence import fleet_state, record_breaker_trip
 from tasks.runtime import Runtime
 
+log = logging.getLogger("medic.guard")
+
 NODE_ACTIONS_LIMIT = "medic-node-actions"
-LEASE_SECONDS = 300.0  # far longer than a check and a provider call; a dead holder's slot frees after it
+# Prefect's shortest lease, renewed every third of it while held (a drain, a job moved off and a
+# provider call can take minutes), so a holder killed mid-action blocks every other run's node
+# actions only until the lease lapses and Prefect's repossessor (every 15 s) takes the slot back.
+LEASE_SECONDS = 60.0
 WAIT_SECONDS = 600.0
 BUSY = (423, 503)  # 423: another run holds the slot; 503: the server's database was busy
 _ensured: set[str] = set()
@@ -107,10 +114,27 @@ def node_actions_slot(holder: UUID, wait_seconds: float = WAIT_SECONDS) -> Itera
     """Hold the one `medic-node-actions` slot, as flow run `holder`."""
     with get_client(sync_client=True) as client:
         lease = _acquire(client, holder, time.monotonic() + wait_seconds)
+        released = threading.Event()
+        renewing = threading.Thread(
+            target=_renew, args=(lease, released), name="medic-slot-lease", daemon=True
+        )
+        renewing.start()
         try:
             yield
         finally:
+            released.set()
+            renewing.join()
             client.release_concurrency_slots_with_lease(lease)
+
+
+def _renew(lease: UUID, released: threading.Event) -> None:
+    """Keep the lease while the slot is held; its own client, as a client is not shared across threads."""
+    with get_client(sync_client=True) as client:
+        while not released.wait(LEASE_SECONDS / 3):
+            try:
+                client.renew_concurrency_lease(lease, LEASE_SECONDS)
+            except httpx.HTTPError:  # the API is briefly away: the next renewal may still be in time
+                log.warning("renewing the %s lease failed", NODE_ACTIONS_LIMIT, exc_info=True)
 
 
 def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from replicas_support import free_port_block
 
 from integrations.polling import NodeNotBackError
 from integrations.registry import Backends
@@ -51,24 +51,6 @@ pytestmark = pytest.mark.system
 SCRIPTS = REPO_ROOT / "scripts"
 NODES = [f"gpu-node-{i}" for i in range(1, 5)]
 T = TypeVar("T")
-
-
-def _free_port_block(count: int) -> int:
-    """First port of `count` consecutive ports that are free on 127.0.0.1 right now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        if first + count >= 65535:
-            continue
-        try:
-            for port in range(first, first + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def until(check: Callable[[], T | None], what: str, timeout_s: float = 30.0) -> T:
@@ -134,7 +116,7 @@ def cluster() -> Iterator[Cluster]:
     # Not under pytest's tmp_path: munged wants every directory above its socket searchable by all.
     base = Path(tempfile.mkdtemp(prefix="medic-slurm-"))
     base.chmod(0o755)
-    ports = _free_port_block(len(NODES) + 1)
+    ports = free_port_block(len(NODES) + 1)
     env = {
         **os.environ,
         "SLURM_TEST_BASE": str(base),

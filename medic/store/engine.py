@@ -38,6 +38,27 @@ def _sqlite_pragmas(engine: Engine) -> None:
         cursor.close()
 
 
+# Any fixed 64-bit number: the key of the advisory lock GPU Medic's processes create the schema under.
+_SCHEMA_LOCK_KEY = 0x6D65646963  # "medic"
+
+
+@contextmanager
+def _schema_lock(engine: Engine) -> Iterator[None]:
+    """One process at a time creates or upgrades the schema. `create_all` looks for a table and then
+    creates it, and two replicas starting together on an empty PostgreSQL database both create it:
+    one fails on PostgreSQL's catalog. SQLite serialises writers itself."""
+    if engine.dialect.name != "postgresql":
+        yield
+        return
+    with engine.connect() as holder:
+        holder.execute(text("SELECT pg_advisory_lock(:key)"), {"key": _SCHEMA_LOCK_KEY})
+        try:
+            yield
+        finally:
+            holder.execute(text("SELECT pg_advisory_unlock(:key)"), {"key": _SCHEMA_LOCK_KEY})
+            holder.commit()
+
+
 def _ensure_columns(engine: Engine) -> None:
     """Nullable columns added since a table was first created: `create_all` leaves existing tables
     as they are, and a store written by an earlier release must keep working after an upgrade."""
@@ -76,9 +97,10 @@ class StoreBase:
         self.engine = create_engine(url, pool_pre_ping=True)
         if self.engine.dialect.name == "sqlite":
             _sqlite_pragmas(self.engine)
-        SQLModel.metadata.create_all(self.engine)
-        _ensure_columns(self.engine)
-        _ensure_indexes(self.engine)
+        with _schema_lock(self.engine):
+            SQLModel.metadata.create_all(self.engine)
+            _ensure_columns(self.engine)
+            _ensure_indexes(self.engine)
 
     def close(self) -> None:
         self.engine.dispose()
