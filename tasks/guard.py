@@ -49,6 +49,10 @@ NODE_ACTIONS_LIMIT = "medic-node-actions"
 # actions only until the lease lapses and Prefect's repossessor (every 15 s) takes the slot back.
 LEASE_SECONDS = 60.0
 WAIT_SECONDS = 600.0
+# Prefect's Retry-After spreads a busy limit's waiters over up to 30 s (its average occupancy): a
+# containment step would sit out half a minute after the slot freed. One slot and a handful of
+# waiting runs: asking every 2 s at most is cheap.
+MAX_PAUSE_S = 2.0
 BUSY = (423, 503)  # 423: another run holds the slot; 503: the server's database was busy
 _ensured: set[str] = set()
 # True while this context is inside a `guarded` block (holding the slot when run in a flow).
@@ -157,7 +161,7 @@ def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise SlotBusy(f"no {NODE_ACTIONS_LIMIT} slot within the wait") from error
-            time.sleep(min(_retry_after(error.response, pause), left))
+            time.sleep(min(_retry_after(error.response, pause), MAX_PAUSE_S, left))
             pause = min(pause * 2, 1.0)
 
 

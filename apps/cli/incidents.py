@@ -27,6 +27,9 @@ def _since(value: str | None) -> datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
+LEASE_FIELDS = frozenset({"runner", "lease_until"})
+
+
 def incidents(
     node: Annotated[str | None, typer.Option(help="Incidents with any event on this node.")] = None,
     job: Annotated[str | None, typer.Option(help="Incidents with any event from this job.")] = None,
@@ -39,7 +42,9 @@ def incidents(
     rows = store.find_incidents(node=node, job=job, owner=owner, since=_since(since))
     if as_json:
         for row in rows:
-            sys.stdout.write(row.model_dump_json() + "\n")
+            # The lease is which process runs the incident now: bookkeeping, not part of the rows'
+            # documented contract (docs/cli.md).
+            sys.stdout.write(row.model_dump_json(exclude=LEASE_FIELDS) + "\n")
         return
     console.print(render.incidents_table(rows, title=f"{len(rows)} incidents"))
 
