@@ -46,10 +46,10 @@ def record(rt: Runtime, intake: Intake, leases: Leases | None = None) -> Dispatc
         row, opened = rt.store.open_or_join(incident, runner=runner, lease_s=lease_s)
         if opened:
             prefect_events.incident_opened(incident)
+            if leases is not None:
+                leases.hold(row.id)
         elif leases is None or not leases.claim(row.id):
             continue  # its run is someone else's, or it was handled before
-        if leases is not None:
-            leases.hold(row.id)
         dispatch.incidents.append(incident if opened else stored(row))
     return dispatch
 

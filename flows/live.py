@@ -179,7 +179,6 @@ class LiveDispatcher:
             joined = _within(found, active.last_event_at, window)
             if joined:
                 extra = Incident(id=active.id, node=switch, events=joined, scope="switch")
-                self.rt.store.attach_events([extra])
                 self.rt.store.open_incident(extra)
             joined_ids = {e.id for e in joined}
             fresh.extend(e for e in found if e.id not in joined_ids)

@@ -180,8 +180,11 @@ def test_approve_in_slack_resumes_the_paused_run(
 ) -> None:
     policy = tmp_path / "policy.yaml"
     text = (REPO_ROOT / "policies" / "default.yaml").read_text()
-    approvals = "approvals:\n  approvers: [U0ALICE]\n  required_for: [reboot]\n  timeout_minutes: 5\n"
-    policy.write_text(text.replace("\nrules:\n", f"\n{approvals}\nrules:\n", 1))
+    default = "  required_for: [replace]\n  approvers: []\n  timeout_minutes: 60\n"
+    assert default in text  # edit the one approvals block, never add a second (YAML keeps the last)
+    policy.write_text(
+        text.replace(default, "  required_for: [reboot]\n  approvers: [U0ALICE]\n  timeout_minutes: 5\n")
+    )
     runtime.policy_path = policy
     runtime.backends.notifier = SlackNotifier(
         WebClient(token=SLACK_TOKEN, base_url=slack_api.api_url, retry_handlers=[], timeout=5)

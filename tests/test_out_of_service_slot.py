@@ -80,6 +80,13 @@ def policy_file(runtime: Runtime, tmp_path: Path) -> Callable[[str, str], None]:
     return edit
 
 
+# The default policy's approvals, edited: reboots wait for U0ALICE, whose answer never comes in 3 s.
+ASK_BEFORE_REBOOT = (
+    "  required_for: [replace]\n  approvers: []\n  timeout_minutes: 60\n",
+    "  required_for: [reboot]\n  approvers: [U0ALICE]\n  timeout_minutes: 0.05\n",
+)
+
+
 def admin_drains_on_first_post(runtime: Runtime, monkeypatch: pytest.MonkeyPatch, node: str) -> None:
     """An admin takes `node` out just after the incident's message goes out: after the decision,
     before the drain. Only the last check, under the slot, can see it."""
@@ -140,10 +147,7 @@ def test_an_approval_wait_does_not_drain_past_the_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("MEDIC_APPROVAL_POLL_SECONDS", "1")
-    policy_file(
-        "\nrules:\n",
-        "\napprovals:\n  approvers: [U0ALICE]\n  required_for: [reboot]\n  timeout_minutes: 0.05\n\nrules:\n",
-    )
+    policy_file(*ASK_BEFORE_REBOOT)
     admin_drains_on_first_post(runtime, monkeypatch, "gpu-node-5")
     (outcome,) = run(runtime, xid79("gpu-node-1"))
 
@@ -171,10 +175,7 @@ def test_an_approval_wait_with_room_drains_under_the_slot(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("MEDIC_APPROVAL_POLL_SECONDS", "1")
-    policy_file(
-        "\nrules:\n",
-        "\napprovals:\n  approvers: [U0ALICE]\n  required_for: [reboot]\n  timeout_minutes: 0.05\n\nrules:\n",
-    )
+    policy_file(*ASK_BEFORE_REBOOT)
     acquired = count_acquisitions(monkeypatch)
     run(runtime, xid79("gpu-node-1"))
     assert node_calls(fleet, "gpu-node-1") == ["drain"]  # kept off work while waiting, then escalated

@@ -39,16 +39,17 @@ class IncidentDetail:
 
 class IncidentsMixin(StoreBase):
     def open_incident(self, incident: Incident, owner: str | None = None) -> IncidentRecord:
-        """Create the incident row, or refresh an existing one with its newest events."""
+        """Create the incident row, or refresh an existing one with its newest events; either way
+        its stored events that are in no incident yet are tied to it."""
         with self.session() as s:
             row = s.get(IncidentRecord, incident.id)
             if row is None:
                 row = _new_row(incident, owner)
+                s.add(row)
+                s.commit()
+                _tie_events(s, row.id, incident)
             else:
-                row.last_event_at = max(row.last_event_at, incident.last_at)
-                row.jobs = sorted(set(row.jobs or []) | set(incident.jobs))
-                row.owner = row.owner or owner
-            s.add(row)
+                _join(s, row, incident, owner)
             s.commit()
             return row
 
@@ -68,15 +69,14 @@ class IncidentsMixin(StoreBase):
                 row = _active(s, incident.node, incident.scope) or s.get(IncidentRecord, incident.id)
                 if row is not None and row.status != IncidentStatus.FAILED:
                     _join(s, row, incident, owner)
+                    s.commit()
                     return row, False
-                lease = {"runner": runner, "lease_until": utcnow() + timedelta(seconds=lease_s)}
                 if row is None:
                     row = _new_row(incident, owner)
                 else:  # its run raised: replayed input runs it again, from the top
                     _join(s, row, incident, owner)
                     row.status = IncidentStatus.OPEN
-                for name, value in lease.items():
-                    setattr(row, name, value)
+                row.runner, row.lease_until = runner, utcnow() + timedelta(seconds=lease_s)
                 s.add(row)
                 try:
                     s.commit()
@@ -260,7 +260,6 @@ def _join(s: Session, row: IncidentRecord, incident: Incident, owner: str | None
     row.owner = row.owner or owner
     s.add(row)
     _tie_events(s, row.id, incident)
-    s.commit()
 
 
 def _tie_events(s: Session, incident_id: str, incident: Incident) -> None:
