@@ -43,16 +43,19 @@ from typing import Any
 from botocore.client import BaseClient
 
 from integrations.aws_clients import aws_client, node_map
-from integrations.aws_retry import Retrier, RetryPolicy
+from integrations.aws_errors import AwsApiError
+from integrations.aws_retry import Retrier, RetryPolicy, error_code
 from integrations.polling import Comeback, NodeHeldError, NodeNotBackError, poll, scheduler_holder, wait_back
 from integrations.provider_errors import ActionRefusedError, AmbiguousNodeError, UnknownNodeError
-from medic.protocols import Scheduler
+from integrations.settling import witnessed
+from medic.protocols import Scheduler, Settled
 
 log = logging.getLogger(__name__)
 
 NAME_TAG_VAR = "MEDIC_EC2_NAME_TAG"
 LIVE_STATES = ["pending", "running", "stopping", "stopped"]
 GONE_STATES = {"shutting-down", "terminated"}
+ALL_STATES = [*LIVE_STATES, *sorted(GONE_STATES)]
 # With any of these suspended, an instance marked Unhealthy is never replaced.
 REPLACING_PROCESSES = {"ReplaceUnhealthy", "Launch", "Terminate"}
 # A tag another tool (or person) sets to say the instance is theirs for now; GPU Medic's own start "medic".
@@ -200,6 +203,94 @@ class Ec2Provider:
         if back:
             del self._requested[node]
         return back
+
+    # Settling after a crash
+
+    def settle(self, node: str, action: str, since: datetime) -> Settled | None:
+        """What EC2 shows of a request a crash cut off (tasks/reconcile.py). Any action is done when the
+        node's instance launched after the intent; a replacement is settled by the instance that was the
+        node (`_settle_replacement`). A reboot leaves nothing in EC2 (same state, same LaunchTime), so
+        only the scheduler's boot record can settle it."""
+        instance = self._recall(node)
+        if instance is None:
+            return witnessed(self.scheduler, node, since)
+        launched = instance["LaunchTime"]
+        seen = (
+            f"{node} ({instance['InstanceId']}) {instance['State']['Name']},"
+            f" launched {launched:%Y-%m-%d %H:%M:%S%z}"
+        )
+        if launched > since:
+            return Settled(True, f"{seen}, after the intent")
+        if action == "replace":
+            return self._settle_replacement(node, instance, since, seen)
+        return witnessed(self.scheduler, node, since)
+
+    def _settle_replacement(
+        self, node: str, instance: dict[str, Any], since: datetime, seen: str
+    ) -> Settled | None:
+        """Terminated or shutting down, or Unhealthy or terminating in its group: done. Still running,
+        InService and Healthy: never done, since both calls take effect before they return. A group still
+        replacing it is followed as if this process had asked (`wait_ready` waits for the new instance,
+        not the old one that still looks ready)."""
+        instance_id, state = instance["InstanceId"], instance["State"]["Name"]
+        if state in GONE_STATES:
+            return Settled(True, seen)
+        membership = self._membership(instance_id)
+        if membership is None:
+            if state == "running":
+                return Settled(False, f"{seen}, and in service: the termination was never asked for")
+            return None
+        group, health, lifecycle = (
+            membership["AutoScalingGroupName"],
+            membership["HealthStatus"],
+            membership["LifecycleState"],
+        )
+        if health == "Healthy" and not lifecycle.startswith("Terminating"):
+            if state == "running" and lifecycle == "InService":
+                return Settled(False, f"{seen}, and still in service: the replacement was never asked for")
+            return None
+        described = self._retrier.call(
+            self.autoscaling.describe_auto_scaling_groups, AutoScalingGroupNames=[group]
+        )
+        members = [
+            i["InstanceId"] for details in described["AutoScalingGroups"] for i in details["Instances"]
+        ]
+        before = frozenset(
+            i["InstanceId"] for i in self._instances(InstanceIds=members) if i["LaunchTime"] <= since
+        )
+        self._pending[node] = PendingReplacement(group, instance_id, before | {instance_id})
+        self._requested[node] = Requested(
+            Comeback(node, "replace", seen), instance_id, instance["LaunchTime"]
+        )
+        return Settled(True, f"{seen}, {health} and {lifecycle} in {group}")
+
+    def _recall(self, node: str) -> dict[str, Any] | None:
+        """The instance that is (or was, until terminated) the node; None if that cannot be told."""
+        instance_id = self._ids.get(node)
+        if instance_id is None and self._discover:
+            found = [
+                i
+                for filter_name, values in (
+                    (f"tag:{self.name_tag}", [node]),
+                    ("private-dns-name", [node, f"{node}.*"]),
+                )
+                for i in self._instances(Filters=[{"Name": filter_name, "Values": values}], states=ALL_STATES)
+            ]
+            live = {i["InstanceId"]: i for i in found if i["State"]["Name"] not in GONE_STATES}
+            gone = {i["InstanceId"]: i for i in found if i["InstanceId"] not in live}
+            if len(live) > 1 or not (live or gone):
+                return None
+            # With no live instance left under the name, its latest one is the one the action ended.
+            return next(iter(live.values())) if live else max(gone.values(), key=lambda i: i["LaunchTime"])
+        if instance_id is None:
+            return None
+        try:
+            (instance,) = self._instances(InstanceIds=[instance_id])
+        except AwsApiError as error:
+            if error_code(error) != "InvalidInstanceID.NotFound":
+                raise
+            return None
+        return instance
 
     # Ownership
 
@@ -370,9 +461,9 @@ class Ec2Provider:
             f"no live EC2 instance has tag {self.name_tag}={node} or private DNS name {node}"
         )
 
-    def _instances(self, **request: Any) -> list[dict[str, Any]]:
+    def _instances(self, states: list[str] = LIVE_STATES, **request: Any) -> list[dict[str, Any]]:
         if "Filters" in request:
-            request["Filters"] = [*request["Filters"], {"Name": "instance-state-name", "Values": LIVE_STATES}]
+            request["Filters"] = [*request["Filters"], {"Name": "instance-state-name", "Values": states}]
         instances: list[dict[str, Any]] = []
         while True:
             page = self._retrier.call(self.ec2.describe_instances, **request)

@@ -44,7 +44,8 @@ from integrations.aws_errors import branch_of, node_action_error, transient
 from integrations.aws_retry import Retrier, RetryPolicy, error_code, is_throttling
 from integrations.polling import Comeback, NodeHeldError, poll, scheduler_holder, wait_back
 from integrations.provider_errors import InvalidNodeIdError, UnknownNodeError
-from medic.protocols import Scheduler
+from integrations.settling import witnessed
+from medic.protocols import Scheduler, Settled
 
 log = logging.getLogger(__name__)
 # Why one node of a batch failed: AWS error code, message, and whether retrying may help.
@@ -345,6 +346,33 @@ class HyperPodProvider:
             comeback.went_away = True
             return None
         return True if comeback.went_away else None
+
+    def settle(self, node: str, action: str, since: datetime) -> Settled | None:
+        """What HyperPod shows of a request a crash cut off (tasks/reconcile.py): the node launched
+        after the intent, or not found after a replacement, or in a status another operation has
+        (Pending, ShuttingDown, ...): done. HyperPod's batch calls only queue the work, so a node
+        still Running on its old launch proves nothing; the scheduler's boot record may still settle it."""
+        node_id = self._lookup(node)
+        if node_id is None:
+            return witnessed(self.scheduler, node, since)
+        try:
+            details = self._retrier.call(
+                self.client.describe_cluster_node, ClusterName=self.cluster_name, NodeId=node_id
+            )["NodeDetails"]
+        except ClientError as error:
+            if error_code(error) != "ResourceNotFound":
+                raise
+            if action == "replace":
+                return Settled(True, f"{node} ({node_id}) is no longer in cluster {self.cluster_name}")
+            return witnessed(self.scheduler, node, since)
+        seen = _describe_summary({"InstanceId": node_id, **details})
+        launched = details.get("LaunchTime")
+        if launched is not None and launched > since:
+            return Settled(True, f"{node}: {seen}, after the intent")
+        status = details.get("InstanceStatus", {}).get("Status")
+        if status not in ACTIONABLE:
+            return Settled(True, f"{node}: {seen}, under way in HyperPod")
+        return witnessed(self.scheduler, node, since)
 
     def _running(self, node: str) -> bool:
         node_id = self._lookup(node)

@@ -85,10 +85,32 @@ class NodeProvider(Protocol):
 
 @runtime_checkable
 class BootClock(Protocol):
-    """Providers that can tell when a node last booted. Lets an action whose outcome was lost
-    in a crash be settled by asking the backend (booted after the intent: it happened)."""
+    """Backends that can tell when a node last booted (Slurm's BootTime): the witness that settles a
+    reboot whose outcome a crash lost, for providers that keep no boot record of their own (EC2)."""
 
     def booted_at(self, node: str) -> datetime | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What a provider's own record says of an action asked of it before a crash cut off our record
+    of the outcome."""
+
+    done: bool  # True: it took effect (the node went down or away since); False: it never did
+    detail: str
+
+
+@runtime_checkable
+class Reconcilable(Protocol):
+    """Providers that can settle a reboot, reset or replacement whose outcome a crash lost.
+
+    `settle` answers done only from evidence that the node went down or away since `since` (a later
+    boot or launch, a terminated or replaced instance, a request the backend shows pending), not done
+    only when the backend's record proves the request never took effect (the action may then be asked
+    again), and None whenever it cannot tell: the intent then stays and escalates, because a second
+    destructive action on a guess is worse than asking a human."""
+
+    def settle(self, node: str, action: str, since: datetime) -> Settled | None: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,13 +15,16 @@ instance leaving readiness (AWS itself shows a rebooting instance failing its st
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +36,17 @@ from fake_time import FakeTime
 from integrations.ec2 import HOLDER_TAG, Ec2Provider
 from integrations.polling import NodeHeldError, NodeNotBackError
 from integrations.provider_errors import ProviderError, UnknownNodeError
+from integrations.registry import Backends
+from medic.config import REPO_ROOT
 from medic.errors import PermanentError, is_transient
-from medic.protocols import NodeInfo, NodeProvider, NodeState
+from medic.protocols import NodeInfo, NodeProvider, NodeState, Reconcilable
+from medic.store import Store
+from tasks.reconcile import reconcile_intents
+from tasks.runtime import Runtime
 
 REGION = "us-east-1"
 AMI = "ami-12345678"
+DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -386,3 +395,88 @@ def test_a_node_drained_in_the_scheduler_by_someone_else_is_refused(ec2: BaseCli
     ours = Ec2Provider(ec2, None, scheduler=Drained("medic: reboot incident 9"))
     assert "accepted the reboot" in ours.reboot("gpu-a")
     assert len(reboots) == 1
+
+
+class BootRecord:
+    """A scheduler that keeps each node's boot time, as Slurm's BootTime does (only `booted_at` is read)."""
+
+    def __init__(self, booted: dict[str, datetime]) -> None:
+        self.booted = booted
+
+    def booted_at(self, name: str) -> datetime | None:
+        return self.booted.get(name)
+
+
+def test_actions_cut_off_by_a_crash_are_settled_from_ec2(
+    ec2: BaseClient, autoscaling: BaseClient, sim_backends: Backends, sqlite_store: Store
+) -> None:
+    """One process claims and calls, then dies; a fresh one (nothing in memory) settles from EC2."""
+    make_group(ec2, autoscaling, ("gpu-a", "gpu-b", "gpu-c"))
+    launch(ec2, "gpu-e", "gpu-f")
+    first = provider(ec2, autoscaling)
+    claims = {
+        "gpu-a": "replace",  # marked Unhealthy, still InService
+        "gpu-b": "replace",  # died before the call
+        "gpu-c": "replace",  # Unhealthy, then terminated by its group
+        "gpu-e": "replace",  # in no group: terminated
+        "gpu-f": "reboot",  # EC2 keeps no trace of a reboot
+    }
+    for node, action in claims.items():
+        sqlite_store.claim_action(f"C1:{node}:{action}", "C1", node, action)
+    first.replace("gpu-a")
+    old_c = first.instance_id("gpu-c")
+    first.replace("gpu-c")
+    ec2.terminate_instances(InstanceIds=[old_c])  # AWS's part, which moto leaves out; moto relaunches
+    first.replace("gpu-e")
+    first.reboot("gpu-f")
+    intent = sqlite_store.get_action("C1:gpu-f:reboot")
+    assert intent is not None
+    later = provider(ec2, autoscaling)
+    assert isinstance(later, Reconcilable)
+
+    rt = Runtime(sqlite_store, dataclasses.replace(sim_backends, provider=later), DEFAULT_POLICY)
+    settled = dict(line.split(": ", 1) for line in reconcile_intents(rt, {"C1"}))
+    assert settled.keys() == {"C1:gpu-a:replace", "C1:gpu-b:replace", "C1:gpu-c:replace", "C1:gpu-e:replace"}
+    assert re.fullmatch(
+        r"done \(gpu-a \(i-\w+\) running, launched .*, Unhealthy and InService in gpus\)",
+        settled["C1:gpu-a:replace"],
+    )
+    assert settled["C1:gpu-b:replace"].endswith("and still in service: the replacement was never asked for)")
+    assert settled["C1:gpu-b:replace"].startswith("not done")
+    assert re.fullmatch(
+        rf"done \(gpu-c \({old_c}\) (shutting-down|terminated), launched .*\)", settled["C1:gpu-c:replace"]
+    )
+    assert re.fullmatch(
+        r"done \(gpu-e \(i-\w+\) (shutting-down|terminated), launched .*\)", settled["C1:gpu-e:replace"]
+    )
+    assert [a.key for a in sqlite_store.unfinished_actions()] == ["C1:gpu-f:reboot"]  # stays, escalates
+
+    # Where the scheduler keeps boot times (Slurm's BootTime), it settles the reboot EC2 cannot.
+    witnessed = Ec2Provider(
+        ec2, autoscaling, scheduler=BootRecord({"gpu-f": intent.intent_at + timedelta(seconds=40)})
+    )
+    rt = Runtime(sqlite_store, dataclasses.replace(sim_backends, provider=witnessed), DEFAULT_POLICY)
+    (line,) = reconcile_intents(rt, {"C1"})
+    assert re.fullmatch(r"C1:gpu-f:reboot: done \(gpu-f booted at .*, after the intent\)", line)
+    row = sqlite_store.get_action("C1:gpu-f:reboot")
+    assert row is not None and row.status == "succeeded"
+
+
+def test_a_replacement_settled_after_a_crash_is_followed_to_the_new_instance(
+    ec2: BaseClient, autoscaling: BaseClient
+) -> None:
+    """The old instance stays running and InService for a while after it is marked Unhealthy: a fresh
+    process must not take it for the node being back."""
+    ids = make_group(ec2, autoscaling, ("gpu-a", "gpu-b"))
+    since = datetime.now(UTC)
+    provider(ec2, autoscaling).replace("gpu-a")  # the process that asked dies here
+    later = provider(ec2, autoscaling)
+    settled = later.settle("gpu-a", "replace", since)
+    assert settled is not None and settled.done
+    with pytest.raises(NodeNotBackError, match="after the replace"):
+        later.wait_ready("gpu-a", timeout_s=0.2)
+
+    ec2.terminate_instances(InstanceIds=[ids["gpu-a"]])  # AWS's part; moto relaunches
+
+    assert later.wait_ready("gpu-a", timeout_s=5)
+    assert later.instance_id("gpu-a") not in ids.values()

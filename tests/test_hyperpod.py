@@ -27,7 +27,7 @@ from integrations.provider_errors import (
     UnknownNodeError,
 )
 from medic.errors import PermanentError, is_transient
-from medic.protocols import NodeInfo, NodeProvider, NodeState
+from medic.protocols import NodeInfo, NodeProvider, NodeState, Reconcilable
 
 CLUSTER = "train-p5"
 
@@ -442,3 +442,61 @@ def test_a_node_drained_by_an_admin_is_refused_without_a_call(
     expect_listed(stub, [iid(1)])
     expect_batch(stub, "batch_replace_cluster_nodes", [iid(1)])
     assert "accepted the replacement" in ours.replace("gpu-1")
+
+
+INTENT = datetime(2026, 11, 2, 12, 0, tzinfo=UTC)  # when the lost request's intent was written
+
+
+class BootRecord:
+    """A scheduler that keeps each node's boot time, as Slurm's BootTime does (only `booted_at` is read)."""
+
+    def __init__(self, booted: datetime | None) -> None:
+        self.booted = booted
+
+    def booted_at(self, name: str) -> datetime | None:
+        return self.booted
+
+
+def test_a_replacement_cut_off_by_a_crash_is_settled_from_hyperpod(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime
+) -> None:
+    """After a restart nothing of the request is left in memory: the node's record in HyperPod tells."""
+    expect_listing(stub, [[summary(iid(7), "10.1.0.7", logical="workers-1")]])
+    hp = provider(client, fake_time, None)
+    assert isinstance(hp, Reconcilable)
+    expect_status(stub, iid(7), "Running", datetime(2026, 11, 2, 12, 9, tzinfo=UTC))  # the new instance
+    done = hp.settle("workers-1", "replace", INTENT)
+    assert done is not None and done.done
+    assert done.detail == f"workers-1: {iid(7)} Running, launched 2026-11-02 12:09:00+0000, after the intent"
+
+    mapped = provider(client, fake_time, {"gpu-1": iid(1)})
+    stub.add_client_error(
+        "describe_cluster_node",
+        "ResourceNotFound",
+        "not found",
+        expected_params={"ClusterName": CLUSTER, "NodeId": iid(1)},
+    )
+    gone = mapped.settle("gpu-1", "replace", INTENT)
+    assert gone is not None and gone.done and "no longer in cluster" in gone.detail
+
+
+def test_a_reboot_under_way_is_done_and_an_unchanged_node_proves_nothing(
+    client: BaseClient, stub: Stubber, fake_time: FakeTime
+) -> None:
+    hp = provider(client, fake_time, {"gpu-1": iid(1)})
+    expect_status(stub, iid(1), "Pending", LAUNCHED)
+    pending = hp.settle("gpu-1", "reboot", INTENT)
+    assert pending is not None and pending.done and pending.detail.endswith("under way in HyperPod")
+    # Running on its old launch: the queued reboot may not have started. Never "not done" (a second
+    # reboot), only "cannot tell", unless the scheduler saw the node boot since.
+    expect_status(stub, iid(1), "Running", LAUNCHED)
+    assert hp.settle("gpu-1", "reboot", INTENT) is None
+    for booted, settled in (
+        (datetime(2026, 11, 1, tzinfo=UTC), False),
+        (datetime(2026, 11, 2, 12, 4, tzinfo=UTC), True),
+    ):
+        witnessed = HyperPodProvider(client, CLUSTER, {"gpu-1": iid(1)}, scheduler=BootRecord(booted))
+        expect_status(stub, iid(1), "Running", LAUNCHED)
+        answer = witnessed.settle("gpu-1", "reset_gpu", INTENT)
+        assert (answer is not None and answer.done) is settled
+        assert answer is None or answer.detail == "gpu-1 booted at 2026-11-02 12:04:00+0000, after the intent"

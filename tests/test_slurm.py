@@ -41,7 +41,7 @@ from integrations.slurm import (
 )
 from integrations.slurm.records import SlurmJob, SlurmNode
 from medic.config import REPO_ROOT
-from medic.protocols import BootClock, JobState, NodeProvider, NodeState, Scheduler
+from medic.protocols import JobState, NodeProvider, NodeState, Reconcilable, Scheduler
 from medic.store import Store
 from tasks.reconcile import reconcile_intents
 from tasks.runtime import Runtime
@@ -286,21 +286,21 @@ def test_ready_only_with_a_later_boot_time(slurm: Cluster, scheduler: SlurmSched
     node = NODES[3]
     provider = SlurmRebootProvider(poll_interval_s=0.1)
     scheduler.drain(node, "medic: reboot incident B1")
-    before = provider._observe(node)[1]
+    before = provider.cli.node_and_boot(node)[1]
     provider.reboot(node)
     assert provider.wait_ready(node, 30)
-    after = provider._observe(node)[1]
+    after = provider.cli.node_and_boot(node)[1]
     assert before is not None and after is not None and after > before
     print(f"BootTime {before} → {after}")
     assert scheduler.node(node).drained_by_medic  # back, still out of service until verified
 
 
-def test_a_reboot_cut_off_by_a_crash_is_settled_from_slurms_boot_time(
+def test_a_reboot_cut_off_by_a_crash_is_settled_from_slurms_record(
     slurm: Cluster, scheduler: SlurmScheduler, sim_backends: Backends, sqlite_store: Store
 ) -> None:
-    node, idle = NODES[2], NODES[1]
+    node, idle, busy = NODES[2], NODES[1], NODES[3]
     provider = SlurmRebootProvider(poll_interval_s=0.1)
-    assert isinstance(provider, BootClock)
+    assert isinstance(provider, Reconcilable)
     rt = Runtime(
         sqlite_store,
         dataclasses.replace(sim_backends, provider=provider),
@@ -310,14 +310,24 @@ def test_a_reboot_cut_off_by_a_crash_is_settled_from_slurms_boot_time(
     sqlite_store.claim_action(f"K1:{node}:reboot", "K1", node, "reboot")
     provider.reboot(node)  # the request went out; the process died before recording it
     sqlite_store.claim_action(f"K2:{idle}:reboot", "K2", idle, "reboot")  # died before the request
+    slurm.running(slurm.sbatch("--nodes=1", f"--nodelist={busy}"))
+    sqlite_store.claim_action(f"K3:{busy}:reset_gpu", "K3", busy, "reset_gpu")
+    provider.reset_gpu(busy, 0)  # accepted, but Slurm reboots only once the job has left
     assert provider.wait_ready(node, 30)
 
-    assert reconcile_intents(rt, {"K1", "K2"}) == [
-        f"K1:{node}:reboot: done (booted after the intent)",
-        f"K2:{idle}:reboot: not done (may be retried)",
+    settled = reconcile_intents(rt, {"K1", "K2", "K3"})
+    pending = slurm.cli.node(busy).describe
+    slurm.run("scontrol", "cancel_reboot", busy)
+    assert sorted(settled) == [
+        f"K1:{node}:reboot: done ({node} booted at {scheduler.booted_at(node):%Y-%m-%d %H:%M:%S%z}, after the intent)",
+        f"K2:{idle}:reboot: not done ({idle} has not booted since the intent"
+        f" (last boot {scheduler.booted_at(idle):%Y-%m-%d %H:%M:%S%z}))",
+        f"K3:{busy}:reset_gpu: done ({busy} has it under way in Slurm ({pending}))",
     ]
     done = sqlite_store.get_action(f"K1:{node}:reboot")
     assert done is not None and done.status == "succeeded" and "reconciled" in done.detail
+    retried = sqlite_store.get_action(f"K2:{idle}:reboot")
+    assert retried is not None and retried.status == "failed"
 
 
 def test_a_reboot_that_never_happens_is_not_back(slurm: Cluster, scheduler: SlurmScheduler) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import deque
 from datetime import UTC, datetime
 
+from integrations.settling import booted_since, not_booted
 from integrations.sim.fleet import SimFleet
-from medic.protocols import NodeState
+from medic.protocols import NodeState, Settled
 
 
 class SimProvider:
@@ -43,6 +44,14 @@ class SimProvider:
     def booted_at(self, node: str) -> datetime | None:
         with self.fleet.lock:
             return self.fleet.node(node).booted_at
+
+    def settle(self, node: str, action: str, since: datetime) -> Settled | None:
+        """A simulated reboot or replacement boots the node at once, so an earlier boot means it never
+        happened; a GPU reset leaves no boot to read."""
+        booted = self.booted_at(node)
+        if action == "reset_gpu" or booted is None:
+            return None
+        return booted_since(node, booted, since) or not_booted(node, booted)
 
     def wait_ready(self, node: str, timeout_s: float) -> bool:
         with self.fleet.lock:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 from integrations.slurm.errors import (
@@ -15,7 +16,7 @@ from integrations.slurm.errors import (
     SlurmUnreachableError,
     UnknownSlurmNodeError,
 )
-from integrations.slurm.records import SlurmJob, SlurmNode, generation, parse_jobs, parse_nodes
+from integrations.slurm.records import SlurmJob, SlurmNode, boot_time, generation, parse_jobs, parse_nodes
 
 DEFAULT_TIMEOUT_S = 30.0
 # What the Slurm tools print (lower-cased) when slurmctld does not answer: worth asking again.
@@ -90,22 +91,33 @@ class SlurmCli:
         return data
 
     def nodes(self) -> list[SlurmNode]:
-        """Every node, read in the JSON generation the cluster's Slurm writes (records.py).
+        """Every node, read in the JSON generation the cluster's Slurm writes (records.py)."""
+        return parse_nodes(self._node_document())
 
-        22.05's `sinfo --json` lists each node (it ignores -n and every other filter: always the whole
+    def _node_document(self) -> dict[str, Any]:
+        """22.05's `sinfo --json` lists each node (it ignores -n and every other filter: always the whole
         cluster). From 23.02 on `sinfo --json` lists sinfo's grouped rows instead (one row for several
-        nodes), so the nodes come from `scontrol --json show nodes`, one full record per node.
-        """
+        nodes), so the nodes come from `scontrol --json show nodes`, one full record per node."""
         listing = self._json("sinfo", "--json")
         if generation(listing, "sinfo --json") == 38:
-            return parse_nodes(listing)
-        return parse_nodes(self._json("scontrol", "--json", "show", "nodes"))
+            return listing
+        return self._json("scontrol", "--json", "show", "nodes")
 
     def node(self, name: str) -> SlurmNode:
-        for node in self.nodes():
+        return self.node_and_boot(name)[0]
+
+    def node_and_boot(self, name: str) -> tuple[SlurmNode, int | None]:
+        """The node and its BootTime (epoch seconds; None before slurmd ever registered), from one read."""
+        doc = self._node_document()
+        for raw, node in zip(doc["nodes"], parse_nodes(doc), strict=True):
             if node.name == name:
-                return node
+                return node, boot_time(raw, name)
         raise UnknownSlurmNodeError(name)
+
+    def booted_at(self, name: str) -> datetime | None:
+        """The node's BootTime as slurmd last registered it; None before it ever did."""
+        booted = self.node_and_boot(name)[1]
+        return None if booted is None else datetime.fromtimestamp(booted, UTC)
 
     def jobs(self) -> list[SlurmJob]:
         # Likewise squeue --json ignores -j/-w/-u: all jobs Slurm still remembers (MinJobAge).

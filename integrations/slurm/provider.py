@@ -29,16 +29,14 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any, Literal, cast, get_args
+from typing import Literal, cast, get_args
 
 from integrations.polling import Comeback, poll, wait_back
+from integrations.settling import booted_since, not_booted
 from integrations.slurm.cli import SlurmCli
-from integrations.slurm.errors import (
-    NodeHeldByOthersError,
-    UnreadableSlurmDataError,
-    UnsupportedSlurmActionError,
-)
-from integrations.slurm.records import MEDIC_PREFIX, SlurmNode, generation, is_ours, parse_nodes
+from integrations.slurm.errors import NodeHeldByOthersError, UnsupportedSlurmActionError
+from integrations.slurm.records import MEDIC_PREFIX, SlurmNode, is_ours
+from medic.protocols import Settled
 
 Convention = Literal["scontrol", "hyperpod"]
 CONVENTION_VAR = "MEDIC_SLURM_ACTIONS"
@@ -83,26 +81,12 @@ class SlurmRebootProvider:
 
     def _ours_to_act_on(self, name: str, action: str) -> SlurmNode:
         """The node, if it is ours to act on; its BootTime is recorded as the marker `wait_ready` needs."""
-        node, booted = self._observe(name)
+        node, booted = self.cli.node_and_boot(name)
         if node.held_by_others:
             raise NodeHeldByOthersError(name, node.describe, node.reason, action)
         what = "replace" if action == "replace" else "reboot"
         self._requested[name] = (Comeback(name, what, f"{node.describe}, BootTime {_when(booted)}"), booted)
         return node
-
-    def _observe(self, name: str) -> tuple[SlurmNode, int | None]:
-        """The node and its BootTime (epoch seconds; None before slurmd ever registered), from one read
-        of the same documents SlurmCli.nodes reads."""
-        listing = self.cli._json("sinfo", "--json")
-        doc = (
-            listing
-            if generation(listing, "sinfo --json") == 38
-            else self.cli._json("scontrol", "--json", "show", "nodes")
-        )
-        for raw, node in zip(doc["nodes"], parse_nodes(doc), strict=True):
-            if node.name == name:
-                return node, _boot_time(raw, name)
-        return self.cli.node(name), None  # raises UnknownSlurmNodeError
 
     def _hyperpod(self, name: str, action: Literal["Reboot", "Replace"]) -> str:
         self._ours_to_act_on(name, action.lower())
@@ -153,7 +137,7 @@ class SlurmRebootProvider:
         return True
 
     def _back(self, comeback: Comeback, before: int | None) -> bool | None:
-        node, booted = self._observe(comeback.node)
+        node, booted = self.cli.node_and_boot(comeback.node)
         comeback.last_seen = f"{node.describe}, BootTime {_when(booted)}"
         if booted is not None and (before is None or booted - before > BOOT_SLACK_S):
             comeback.went_away = True
@@ -163,10 +147,20 @@ class SlurmRebootProvider:
         return verdict
 
     def booted_at(self, node: str) -> datetime | None:
-        """The node's BootTime as slurmd last registered it; None before it ever did. Lets a
-        reboot whose outcome a crash lost be settled from Slurm's record (tasks/reconcile.py)."""
-        _, booted = self._observe(node)
-        return None if booted is None else datetime.fromtimestamp(booted, UTC)
+        return self.cli.booted_at(node)
+
+    def settle(self, node: str, action: str, since: datetime) -> Settled | None:
+        """Slurm's own record: a BootTime at or after `since` (done), the request still under way in
+        Slurm, a reboot flag or HyperPod's `Action:` reason (done: it was accepted), or neither
+        with an earlier BootTime (not done: `scontrol` flags the node before it returns)."""
+        found, booted = self.cli.node_and_boot(node)
+        when = None if booted is None else datetime.fromtimestamp(booted, UTC)
+        proven = booted_since(node, when, since)
+        if proven is not None:
+            return proven
+        if found.flags & _IN_PROGRESS or (found.reason or "").startswith("Action:"):
+            return Settled(True, f"{node} has it under way in Slurm ({found.describe})")
+        return None if when is None else not_booted(node, when)
 
     def wait_ready(self, node: str, timeout_s: float) -> bool:
         """After a reboot or replacement requested through this provider: True once Slurm shows a BootTime
@@ -191,21 +185,6 @@ class SlurmRebootProvider:
         if ready:
             del self._requested[node]
         return ready
-
-
-def _boot_time(raw: dict[str, Any], name: str) -> int | None:
-    """`boot_time` of a node record: an integer in v0.0.38, {"set", "infinite", "number"} from v0.0.39."""
-    value = raw.get("boot_time")
-    number = value
-    if isinstance(value, dict):
-        if value.get("set") is False or value.get("infinite") is True:
-            return None
-        number = value.get("number")
-    if isinstance(number, bool) or not isinstance(number, int):
-        raise UnreadableSlurmDataError(
-            f"node {name}", "boot_time", f"is {value!r}: no way to prove a reboot happened"
-        )
-    return number or None  # 0: slurmd never registered
 
 
 def _when(epoch: int | None) -> str:

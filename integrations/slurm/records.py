@@ -427,3 +427,18 @@ def _job_nodes(raw: dict[str, Any], gen: int, subject: str) -> tuple[str, ...]:
         raise UnreadableSlurmDataError(
             subject, field, f"cannot be read from {str(resources)[:200]} ({type(error).__name__}: {error})"
         ) from error
+
+
+def boot_time(raw: dict[str, Any], name: str) -> int | None:
+    """`boot_time` of a node record: an integer in v0.0.38, {"set", "infinite", "number"} from v0.0.39."""
+    value = raw.get("boot_time")
+    number = value
+    if isinstance(value, dict):
+        if value.get("set") is False or value.get("infinite") is True:
+            return None
+        number = value.get("number")
+    if isinstance(number, bool) or not isinstance(number, int):
+        raise UnreadableSlurmDataError(
+            f"node {name}", "boot_time", f"is {value!r}: no way to prove a reboot happened"
+        )
+    return number or None  # 0: slurmd never registered

@@ -12,6 +12,8 @@ change the node. The window is one scontrol round trip.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from integrations.slurm.cli import SlurmCli
 from integrations.slurm.errors import (
     NodeHeldByOthersError,
@@ -45,6 +47,10 @@ class SlurmScheduler:
 
     def node(self, name: str) -> NodeInfo:
         return self.cli.node(name).info()
+
+    def booted_at(self, name: str) -> datetime | None:
+        """slurmd's BootTime: the witness that settles a cloud provider's reboot lost in a crash."""
+        return self.cli.booted_at(name)
 
     def _slurm_job(self, job_id: str) -> SlurmJob | None:
         return next((j for j in self.cli.jobs() if j.id == str(job_id)), None)
