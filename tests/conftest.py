@@ -15,6 +15,9 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # No backend falls back to the simulation (docs/config.md): the suite chooses it, for itself and for
 # every `medic` it starts. A test about a real backend names it (MEDIC_SCHEDULER=slurm, ...).
 os.environ["MEDIC_BACKENDS"] = "sim"
+# The reference job's runs here mean CPU and gloo, even on a machine with a GPU; one that means the
+# GPU says TRAIN_DEVICE=cuda (or auto).
+os.environ.setdefault("TRAIN_DEVICE", "cpu")
 
 from integrations import registry
 from integrations.registry import Backends

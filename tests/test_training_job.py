@@ -6,11 +6,14 @@ step 25, and two resumes of that run's checkpoints (at 2 ranks, and resharded to
 
 from __future__ import annotations
 
+import importlib
 import shutil
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
-from torchrun_support import Run, torchrun
+from torchrun_support import TRAINING_DIR, Run, torchrun
 
 from integrations.checkpoints import latest_in_directory, parse_step
 from medic.events import EventKind
@@ -90,3 +93,32 @@ def test_resume_at_one_rank_reshards_the_checkpoint(reference: Run, crashed: Run
         # One rank sees the whole batch; its loss is the mean of the two half-batch losses.
         two_ranks = (float.fromhex(expected[(step, 0)]) + float.fromhex(expected[(step, 1)])) / 2
         assert float.fromhex(value) == pytest.approx(two_ranks, abs=1e-6), step
+
+
+@pytest.mark.parametrize(
+    ("wanted", "local_rank", "local_world", "gpus", "expected"),
+    [
+        ("auto", 1, 2, 2, "cuda:1"),  # a GPU per rank
+        ("auto", 1, 2, 1, "cpu"),  # more ranks than GPUs: every rank on the CPU, none past the last GPU
+        ("auto", 0, 1, 0, "cpu"),
+        ("cpu", 0, 1, 8, "cpu"),  # forced, as the suite forces it
+        ("cuda", 3, 4, 8, "cuda:3"),
+    ],
+)
+def test_each_rank_gets_a_gpu_of_its_own_or_the_cpu(
+    wanted: str, local_rank: int, local_world: int, gpus: int, expected: str
+) -> None:
+    assert str(train_module().pick_device(wanted, local_rank, local_world, gpus)) == expected
+
+
+def test_cuda_asked_for_without_a_gpu_per_rank_stops_with_the_reason() -> None:
+    with pytest.raises(SystemExit, match="needs 2 GPUs on this node \\(one per rank\\); 1 visible"):
+        train_module().pick_device("cuda", 1, 2, 1)
+
+
+def train_module() -> ModuleType:
+    sys.path.insert(0, str(TRAINING_DIR))
+    try:
+        return importlib.import_module("train")
+    finally:
+        sys.path.remove(str(TRAINING_DIR))

@@ -38,6 +38,7 @@ from integrations.checkpoints import latest_in_directory, step_dir_name
 FEATURES = 16
 HIDDEN = 64
 FAULT_EXIT_CODE = 13
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -66,6 +67,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--job", default=env("MEDIC_JOB", "reference-train"), help="env MEDIC_JOB")
     parser.add_argument("--seed", type=int, default=int(env("TRAIN_SEED", "1234")), help="env TRAIN_SEED")
     parser.add_argument("--batch-size", type=int, default=64, help="global, split evenly across ranks")
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=env("TRAIN_DEVICE", "auto"),
+        help="auto: CUDA/NCCL when every rank on the node has a GPU of its own, else CPU/gloo (env TRAIN_DEVICE)",
+    )
     faults = parser.add_argument_group("fault injection (each fault hits --fail-rank)")
     faults.add_argument("--fail-at-step", type=int, help="exit abruptly at the start of this step")
     faults.add_argument(
@@ -199,22 +206,37 @@ def train(args: argparse.Namespace, hooks: MedicHooks, rank: int, world: int, de
                 save(ddp, optimizer, folder, rank, DyingWriter(folder, hooks) if fault_here else None)
 
 
+def pick_device(wanted: str, local_rank: int, local_world: int, gpus: int) -> torch.device:
+    """One GPU per rank, or the CPU for every rank: more ranks than visible GPUs would otherwise crash
+    the extra ones with "invalid device ordinal" (seen with 2 ranks on a 1-GPU host)."""
+    if wanted == "cpu" or (wanted == "auto" and gpus < local_world):
+        return torch.device("cpu")
+    if gpus < local_world:
+        raise SystemExit(
+            f"--device cuda needs {local_world} GPUs on this node (one per rank); {gpus} visible"
+        )
+    return torch.device("cuda", local_rank)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device = pick_device(args.device, local_rank, local_world, torch.cuda.device_count())
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # Bound to its device up front, NCCL creates its communicator eagerly and warns of no guess.
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     hooks = MedicHooks(
         job=args.job,
         node=socket.gethostname(),
         rank=rank,
         sink=args.events,
-        gpu=local_rank if use_cuda else None,
+        gpu=local_rank if device.type == "cuda" else None,
     )
     with hooks.watch():
         train(args, hooks, rank, world, device)
