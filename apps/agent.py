@@ -41,6 +41,9 @@ DEFAULT_MAX_BACKOFF_S = 300.0
 # The driver reports one XID both in the kernel log and as an NVML event, not necessarily in the
 # same poll: the second sighting of (GPU, code) from the other source within this window is the same XID.
 XID_MATCH_WINDOW_S = 60.0
+# An XID NVML reports whose kernel-log line is not there yet waits this long for it once, so that its
+# event carries the driver's message, pid and process rather than go out bare and drop the line later.
+KERNEL_LINE_GRACE_S = 0.2
 # NVLink error counters creep up on healthy links too: report once they rose by this much
 # (summed over counters and links) since the last report. The policy decides what is too many.
 DEFAULT_NVLINK_ERROR_MIN_RISE = 10
@@ -106,12 +109,14 @@ class Agent:
         nvml: GpuReader | None,
         kernel_log: KernelLog | None,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.options = options
         self.sink = sink
         self.nvml = nvml
         self.kernel_log = kernel_log
         self.clock = clock
+        self.sleep = sleep
         self.expected = options.expected_gpus
         self.pci_to_gpu: dict[str, int] = {}
         self.nvml_ok: bool | None = None  # None: not read yet
@@ -131,13 +136,19 @@ class Agent:
 
     def poll(self) -> list[FaultEvent]:
         """Look once, emit what changed, and return it."""
-        kernel_xids, kernel_sxids = self._kernel_lines()
         snapshot = self._read_nvml()
+        # After NVML: the driver writes an XID's kernel-log line as it posts the NVML event.
+        kernel_xids, kernel_sxids = self._kernel_lines()
         events = self._nvml_failed(snapshot)
         nvml_xids: tuple[NvmlXid, ...] = ()
         if isinstance(snapshot, NodeSnapshot):
             self.pci_to_gpu = snapshot.gpu_by_pci()
             nvml_xids = snapshot.xids
+            if self._line_pending(kernel_xids, nvml_xids):
+                self.sleep(KERNEL_LINE_GRACE_S)
+                late_xids, late_sxids = self._kernel_lines()
+                kernel_xids += late_xids
+                kernel_sxids += late_sxids
             events += self._gpu_count(snapshot)
             for gpu in snapshot.gpus:
                 if not gpu.lost:
@@ -364,6 +375,14 @@ class Agent:
             elif sxid := parse_sxid(line):
                 sxids.append(sxid)
         return xids, sxids
+
+    def _line_pending(self, kernel: list[KernelXid], nvml: tuple[NvmlXid, ...]) -> bool:
+        """Whether NVML reports an XID whose kernel-log line has been seen neither now nor recently."""
+        if self.kernel_log is None:
+            return False
+        lines = {(self.pci_to_gpu.get(x.pci_bus_id), x.code) for x in kernel}
+        lines |= {s.key for s in self.sightings if s.source == "kernel_log"}
+        return any((x.gpu, x.code) not in lines for x in nvml)
 
     def _sxid_events(self, sxids: list[KernelSxid]) -> list[FaultEvent]:
         """One event per NVSwitch and SXid code per poll (a storm is one event with a count).

@@ -99,15 +99,27 @@ class Rig:
             self.nvml,
             KernelLog(self.kmsg),
             clock=self.clock,
+            sleep=self._sleep,
         )
+        self.sleeps: list[float] = []
+        self.late_lines: list[str] = []  # written to the kernel log while the agent waits for a line
+
+    def _sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.clock.now += seconds
+        self.write(*self.late_lines)
+        self.late_lines = []
+
+    def write(self, *kernel_lines: str) -> None:
+        with self.kmsg.open("a") as f:
+            f.writelines(f"[ 1234.5] {line}\n" for line in kernel_lines)
 
     def poll(
         self, snapshot: NodeSnapshot | Unavailable | None = None, *kernel_lines: str
     ) -> list[FaultEvent]:
         if snapshot is not None:
             self.nvml.next = snapshot
-        with self.kmsg.open("a") as f:
-            f.writelines(f"[ 1234.5] {line}\n" for line in kernel_lines)
+        self.write(*kernel_lines)
         self.clock.now += 1.0
         return self.agent.poll()
 
@@ -332,6 +344,26 @@ def test_one_xid_seen_by_the_kernel_log_and_nvml_is_reported_once(rig: Rig) -> N
     assert rig.poll(node(), XID_79.format(pci=pci_bus_id(2)).replace(": 79,", ": 48,")) == []
     rig.clock.now += 61  # long after: a new XID
     assert one(rig.poll(node(xids=[NvmlXid(4, 79)]))).attributes["via"] == "nvml"
+
+
+def test_an_xid_nvml_reports_first_waits_briefly_for_the_drivers_line(rig: Rig) -> None:
+    """NVML's event can land a moment before the driver's kernel-log line: the event waits for the line
+    (once, 0.2 s) and goes out with its message, pid and process, instead of bare."""
+    rig.poll()
+    rig.late_lines = [XID_13.format(pci=pci_bus_id(3))]
+    event = one(rig.poll(node(xids=[NvmlXid(3, 13)])))
+    assert rig.sleeps == [0.2]
+    assert (event.gpu, event.attributes["via"], event.attributes["pid"], event.attributes["process"]) == (
+        3,
+        "kernel_log",
+        4412,
+        "python3",
+    )
+    assert event.attributes["message"].startswith("Graphics SM Warp Exception")
+    # An XID whose line never comes waits once, then goes out bare.
+    rig.clock.now += 61
+    assert one(rig.poll(node(xids=[NvmlXid(5, 79)]))).attributes["via"] == "nvml"
+    assert rig.sleeps == [0.2, 0.2]
 
 
 def test_nvml_failing_is_reported_once_and_backed_off(rig: Rig) -> None:

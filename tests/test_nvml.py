@@ -284,3 +284,39 @@ def test_nvlink_error_counters_on_a_gpu_without_nvlink(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(pynvml, "nvmlDeviceGetNvLinkErrorCounter", unsupported)
     assert nvml._nvlink_errors(nvml._Reader(object()), (0, 1)) is None
+
+
+def test_a_field_the_gpu_never_answers_is_asked_once_per_driver_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[int] = []
+
+    def retired_pages(handle: object, cause: int) -> list[int]:
+        asked.append(cause)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)  # Hopper: rows are remapped instead
+
+    def temperature(handle: object, sensor: int) -> int:
+        asked.append(-1)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)  # may answer next time: asked again
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetRetiredPages", retired_pages)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetTemperature", temperature)
+    never: set[str] = set()
+    for _ in range(3):  # three reads of one GPU in one session
+        reader = nvml._Reader(object(), never)
+        assert reader.get("retired pages (sbe)", pynvml.nvmlDeviceGetRetiredPages, 1) is None
+        assert reader.get("temperature", pynvml.nvmlDeviceGetTemperature, 0) is None
+    assert asked == [1, -1, -1, -1]
+    assert never == {"retired pages (sbe)"}
+
+
+def test_a_field_never_answered_is_asked_again_only_after_the_driver_comes_back(
+    shim: Path, state: ShimState
+) -> None:
+    state.fail("nvmlDeviceGetTemperature", NOT_SUPPORTED, gpu=1)
+    answers = ShimState(state.path.with_name("answers"))  # as if it could answer now
+    gone = ShimState(state.path.with_name("gone"), init_rc=DRIVER_NOT_LOADED, call_rc=UNKNOWN)
+    back = ShimState(state.path.with_name("back"))
+    first, cached, _, after = reads(shim, state, answers, gone, back)
+    assert [r["gpus"][1]["temperature_c"] for r in (first, cached, after)] == [None, None, 45]
+    assert cached["gpus"][0]["temperature_c"] == 45  # only GPU 1 said NotSupported
