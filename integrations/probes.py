@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from medic.config import Settings
 
@@ -258,6 +259,45 @@ def probe_prefect(env: Env) -> Probe:
     return Probe("prefect", "ok", what, "/health answered" + (f" (server {version})" if version else ""))
 
 
+def probe_prefect_ui(env: Env) -> Probe:
+    """The UI of the Prefect server at PREFECT_API_URL must send browsers to that same API: a server
+    started on another port than 4200 without PREFECT_UI_API_URL serves a UI that cannot load a run."""
+    import httpx
+
+    api = env.get("PREFECT_API_URL") or _prefect_profile_url(env)
+    if not api:
+        return Probe("prefect-ui", "skip", "", "embedded: no server, no UI (`prefect server start` has one)")
+    origin = api.rstrip("/").removesuffix("/api")
+    try:
+        response = httpx.get(origin + "/ui-settings", timeout=PROBE_TIMEOUT_S)
+        settings = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError) as error:
+        return Probe("prefect-ui", "fail", origin, _problem(error) or type(error).__name__)
+    if not isinstance(settings, dict) or not settings.get("available_uis"):
+        return Probe(
+            "prefect-ui", "skip", origin, "this server serves no UI (Prefect Cloud, or the UI is off)"
+        )
+    shown = str(settings.get("api_url") or "")
+    if _same_url(shown, api):
+        return Probe("prefect-ui", "ok", origin, f"the UI reads runs from {shown}")
+    return Probe(
+        "prefect-ui",
+        "fail",
+        origin,
+        f"the UI sends browsers to {shown or 'no API'}, not {api}: start the server with"
+        f" PREFECT_UI_API_URL={api}",
+    )
+
+
+def _same_url(a: str, b: str) -> bool:
+    def key(url: str) -> tuple[str, str, int | None, str]:
+        parts = urlsplit(url.rstrip("/"))
+        host = "127.0.0.1" if parts.hostname == "localhost" else parts.hostname or ""
+        return parts.scheme, host, parts.port, parts.path
+
+    return key(a) == key(b)
+
+
 def _prefect_profile_url(env: Env) -> str | None:
     """PREFECT_API_URL from Prefect's own settings (its profile), when the environment has none.
 
@@ -322,5 +362,6 @@ def probe_all(settings: Settings, node: str | None = None) -> list[Probe]:
         if chosen["notifier"] == "slack"
         else unused("slack", f"not used (notifier={shown['notifier']})"),
         lambda: probe_prefect(env),
+        lambda: probe_prefect_ui(env),
     ]
     return [run() for run in plan]

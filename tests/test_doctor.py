@@ -22,7 +22,7 @@ import pytest
 from slack_api import SlackApi, running_slack_api
 from test_slurm import Cluster, cluster  # noqa: F401  (the module's real Slurm cluster fixture)
 
-from integrations.probes import probe_aws, probe_store
+from integrations.probes import probe_aws, probe_prefect_ui, probe_store
 
 BIN = Path(sys.executable).parent
 TOKEN = "xoxb-1234-doctor-test"
@@ -74,6 +74,7 @@ def test_simulation_everything_needed_answers(tmp_path: Path) -> None:
         "checkpoints",
         "slack",
         "prefect",
+        "prefect-ui",
     }
     assert "  scheduler    sim (MEDIC_BACKENDS, env)" in done.stdout
     assert "everything needed answers" in done.stdout
@@ -108,7 +109,17 @@ def test_json_shape(tmp_path: Path) -> None:
     assert report["backends"]["provider"] == {"value": "sim", "source": "env", "variable": "MEDIC_BACKENDS"}
     assert len(report["policy"]["sha256"]) == 64
     probes = {p["name"]: p for p in report["probes"]}
-    assert list(probes) == ["store", "policy", "slurm", "dcgm", "aws", "checkpoints", "slack", "prefect"]
+    assert list(probes) == [
+        "store",
+        "policy",
+        "slurm",
+        "dcgm",
+        "aws",
+        "checkpoints",
+        "slack",
+        "prefect",
+        "prefect-ui",
+    ]
     assert set(probes["store"]) == {"name", "status", "target", "detail"}
     assert probes["store"]["status"] == "ok" and "SQLite" in probes["store"]["detail"]
     assert probes["checkpoints"]["status"] == "ok"
@@ -264,6 +275,53 @@ def test_prefect_api_health(tmp_path: Path) -> None:
     unset = doctor(tmp_path, MEDIC_DISPATCH="prefect")
     assert unset.returncode == 1
     assert lines(unset)["prefect"] == ("fail", "MEDIC_DISPATCH=prefect needs PREFECT_API_URL")
+
+
+PREFECT_ANSWERS = Path(__file__).parent / "fixtures" / "prefect"
+
+
+def _ui_settings_server(document: str) -> ThreadingHTTPServer:
+    """Serves one recorded `/ui-settings` answer (tests/fixtures/prefect), its API's port made this
+    server's own where the recording pointed the UI at its own server."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/ui-settings" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            port = str(self.server.server_address[1])
+            self.wfile.write(
+                document.replace("19483", port).encode() if self.path == "/ui-settings" else b"{}"
+            )
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.mark.parametrize(
+    ("recorded", "status", "detail"),
+    [
+        ("ui-settings-default-port.json", "fail", "the UI sends browsers to http://127.0.0.1:4200/api, not {api}:"
+         " start the server with PREFECT_UI_API_URL={api}"),
+        ("ui-settings-ui-api-url.json", "ok", "the UI reads runs from {api}"),
+        ("ui-settings-ui-disabled.json", "skip", "this server serves no UI (Prefect Cloud, or the UI is off)"),
+    ],
+)  # fmt: skip
+def test_the_prefect_ui_must_read_from_the_same_api(recorded: str, status: str, detail: str) -> None:
+    server = _ui_settings_server((PREFECT_ANSWERS / recorded).read_text())
+    try:
+        api = f"http://localhost:{server.server_address[1]}/api"
+        found = probe_prefect_ui({"PREFECT_API_URL": api})
+    finally:
+        server.shutdown()
+        server.server_close()
+    shown = api.replace("localhost", "127.0.0.1")
+    assert (found.status, found.detail) == (status, detail.format(api=api if status == "fail" else shown))
+    assert probe_prefect_ui({"PREFECT_HOME": "/nonexistent"}).status == "skip"  # embedded: no server
 
 
 @pytest.fixture(scope="module")
