@@ -11,7 +11,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench import agent, flow_overhead, hostile, ingest, live, policy, report, sentry, triage
+from bench import (
+    agent,
+    flow_overhead,
+    hostile,
+    ingest,
+    live,
+    policy,
+    replay,
+    report,
+    sentry,
+    simulate,
+    triage,
+)
 from medic.config import REPO_ROOT
 
 COMMAND = ".venv/bin/python -m bench"
@@ -24,6 +36,8 @@ BENCHMARKS: list[tuple[str, Callable[[], dict[str, Any]], Callable[[dict[str, An
     ("sentry", sentry.run, sentry.section),
     ("hostile", hostile.run, hostile.section),
     ("node agent", agent.run, agent.section),
+    ("simulate", simulate.run, simulate.section),
+    ("policy replay", replay.run, replay.section),
 ]
 
 

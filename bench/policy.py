@@ -31,7 +31,9 @@ DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
 FACTS = 2000  # distinct incidents evaluated per pass
 ROUNDS = 15  # timed repeats per policy
 ROUND_S = 0.4  # target length of one timed repeat
-TARGET_40 = 50_000  # decisions/s wanted later for a 40-rule policy
+TARGET = 50_000  # decisions/s wanted for every policy of at least TARGET_RULES rules
+TARGET_RULES = 40
+EXTRA_RULES = 40  # generated site rules added to the default policy, to show how the engine scales
 
 Spec = tuple[str, dict[str, Any]]  # (kind, extra envelope fields incl. attributes)
 
@@ -299,7 +301,10 @@ def run() -> dict[str, Any]:
         results["pinning"] = pinning
         for name, loaded in (
             ("`policies/default.yaml`", default),
-            (f"default + {40 - len(default.policy.rules)} generated rules", synthetic_policy(40, Path(tmp))),
+            (
+                f"default + {EXTRA_RULES} generated rules",
+                synthetic_policy(len(default.policy.rules) + EXTRA_RULES, Path(tmp)),
+            ),
         ):
             seconds, per_round = time_decisions(loaded, facts)
             results["policies"].append((name, len(loaded.policy.rules), seconds, per_round))
@@ -320,8 +325,9 @@ def section(results: dict[str, Any]) -> str:
                 f"{seconds.n} x {per_round:,}",
             ]
         )
-    forty = next(rate(p, s).median for _, r, s, p in results["policies"] if r == 40)
-    verdict = "meets" if forty >= TARGET_40 else "does not yet meet"
+    # The slowest policy of at least TARGET_RULES rules decides the verdict.
+    slowest = min(rate(p, s).median for _, r, s, p in results["policies"] if r >= TARGET_RULES)
+    verdict = "meets" if slowest >= TARGET else "does not meet"
     mix = ", ".join(
         f"{'no rule (default)' if rule == 'default' else rule} {count / results['facts']:.0%}"
         for rule, count in results["winners"].most_common()
@@ -346,10 +352,12 @@ def section(results: dict[str, Any]) -> str:
                 rows,
             ),
             "",
-            f"The 40-rule policy is `policies/default.yaml` plus {40 - results['policies'][0][1]} generated site rules",
-            "(XID drains, thermal, health checks, crash loops, NCCL storms, ...), written to a temporary file",
-            f"and loaded with `load_policy`. Target for later: ≥{TARGET_40:,} decisions/s with 40 rules — this run",
-            f"**{verdict}** it ({num(forty)}/s).",
+            f"The larger policy is `policies/default.yaml` plus {EXTRA_RULES} generated site rules (XID drains,",
+            "thermal, health checks, crash loops, NCCL storms, ...), written to a temporary file and loaded with",
+            f"`load_policy`. Target: ≥{TARGET:,} decisions/s with {TARGET_RULES} rules or more — this run",
+            f"**{verdict}** it (slowest such policy: {num(slowest)}/s). The engine compiles each rule once per",
+            "policy and keeps, per incident shape (its kinds and XID codes), the rules that can match it;",
+            "the warm-up pass fills that cache, as the first incidents of each shape do in service.",
             "",
             f"Mix of incidents, by the default policy's winning rule: {mix}. On average"
             f" {results['matched']:.2f} rules of the default policy match per decision.",

@@ -21,9 +21,9 @@ DEFAULT_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 
 @contextmanager
-def prefect_on_postgres(home: Path, admin_url: str = DEFAULT_ADMIN_URL) -> Iterator[str]:
+def prefect_on_postgres(home: Path, admin_url: str = DEFAULT_ADMIN_URL, *, ui: bool = False) -> Iterator[str]:
     """Start the server (its PREFECT_HOME: `home`) on a fresh database; yield its API URL; then
-    stop it and drop the database."""
+    stop it and drop the database. With `ui`, it also serves the web UI, pointed at its own API."""
     from sqlalchemy import create_engine, text
 
     database = f"medic_prefect_{uuid.uuid4().hex[:10]}"
@@ -31,18 +31,21 @@ def prefect_on_postgres(home: Path, admin_url: str = DEFAULT_ADMIN_URL) -> Itera
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{database}"'))
     base = admin_url.rsplit("/", 1)[0].replace("postgresql+psycopg", "postgresql+asyncpg")
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
         "PREFECT_API_DATABASE_CONNECTION_URL": f"{base}/{database}",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "false",
+        "PREFECT_UI_ENABLED": str(ui).lower(),
+        # Off port 4200 the UI would call an API that is not there: it must be told this one.
+        **({"PREFECT_UI_API_URL": api} if ui else {}),
         "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "true",
         "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_ENABLED": "true",
         "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "1",
     }
     env.pop("PREFECT_API_URL", None)
-    port = _free_port()
     home.mkdir(parents=True, exist_ok=True)
     log = home / "server.log"
     with log.open("wb") as output:
@@ -52,7 +55,6 @@ def prefect_on_postgres(home: Path, admin_url: str = DEFAULT_ADMIN_URL) -> Itera
             stdout=output,
             stderr=subprocess.STDOUT,
         )
-    api = f"http://127.0.0.1:{port}/api"
     try:
         deadline = time.monotonic() + 120
         while not answers(f"{api}/health"):

@@ -3,7 +3,8 @@
 A generated JSONL feed (valid events of every kind, in bursts over ~500 nodes and a week) goes
 through `.venv/bin/medic triage FILE --json > /dev/null` as a subprocess; then the same file goes
 through the in-process pipeline stage by stage (read_file, correlate, facts_of, decide, JSON out)
-to show where the time goes.
+to show where the time goes. Last, a feed ten times as large goes through the CLI once, for its
+throughput and peak memory (the command streams: memory follows the windows, not the file).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import io
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -26,11 +28,14 @@ from medic.config import REPO_ROOT
 from medic.events import event_time
 
 EVENTS = 100_000
+STREAM_EVENTS = 1_000_000
 NODES = 500
 CLI_REPEATS = 5
 INPROCESS_REPEATS = 5
 POLICY = REPO_ROOT / "policies" / "default.yaml"
 TOTAL = "total (read_file + triage + JSON out)"
+TARGET_RATE = 20_000  # events/s
+TARGET_RSS = 200 * 2**20  # bytes, for STREAM_EVENTS
 START = datetime(2026, 11, 1, tzinfo=UTC)
 
 KIND_WEIGHTS = {
@@ -139,25 +144,46 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, value
 
 
-def time_cli(path: Path, repeats: int) -> Stats:
-    """Wall seconds of `medic triage PATH --json > /dev/null`, one sample per run."""
+def run_cli(path: Path) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one `medic triage PATH --json > /dev/null`.
+
+    The peak is the child's own `VmHWM`, read while it runs: its `ru_maxrss` would count the pages
+    of this process it was forked from."""
     medic = Path(sys.executable).parent / "medic"
     env = {**os.environ, "MEDIC_POLICY": str(POLICY)}
-    samples = []
-    for _ in range(repeats):
+    peak = 0
+    with tempfile.TemporaryFile() as errors:
         start = time.perf_counter()
-        done = subprocess.run(
+        child = subprocess.Popen(
             [str(medic), "triage", str(path), "--json"],
             cwd=REPO_ROOT,
             env=env,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+            stderr=errors,
         )
-        samples.append(time.perf_counter() - start)
-        if done.returncode != 0:
-            raise RuntimeError(f"medic triage failed ({done.returncode}): {done.stderr[-2000:]}")
-    return Stats.of(samples)
+        while child.poll() is None:
+            peak = max(peak, _high_water(child.pid))
+            time.sleep(0.02)
+        seconds = time.perf_counter() - start
+        if child.returncode != 0:
+            errors.seek(0)
+            raise RuntimeError(f"medic triage failed ({child.returncode}): {errors.read()[-2000:]!r}")
+    return seconds, peak
+
+
+def _high_water(pid: int) -> int:
+    """A running process's peak resident memory so far, in bytes (0 once it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    found = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    return int(found[1]) * 1024 if found else 0
+
+
+def time_cli(path: Path, repeats: int) -> Stats:
+    """Wall seconds of `medic triage PATH --json > /dev/null`, one sample per run."""
+    return Stats.of([run_cli(path)[0] for _ in range(repeats)])
 
 
 class _Laps:
@@ -247,7 +273,23 @@ def time_startup(directory: Path, repeats: int) -> Stats:
     return time_cli(tiny, repeats)
 
 
-def run(events: int = EVENTS) -> dict[str, Any]:
+def time_stream(directory: Path, events: int) -> dict[str, Any]:
+    """One CLI run over a feed of `events`, against the same command on a one-event file."""
+    path = directory / "stream.jsonl"
+    generate(path, events)
+    seconds, peak = run_cli(path)
+    _, baseline = run_cli(directory / "one-event.jsonl")
+    return {
+        "events": events,
+        "bytes": path.stat().st_size,
+        "seconds": seconds,
+        "peak": peak,
+        "baseline": baseline,
+    }
+
+
+def run(events: int = EVENTS, stream_events: int = STREAM_EVENTS) -> dict[str, Any]:
+    load = os.getloadavg()[:2]
     with tempfile.TemporaryDirectory(prefix="medic-bench-triage-") as tmp:
         path = Path(tmp) / "events.jsonl"
         seconds, written = _timed(lambda: generate(path, events))
@@ -255,7 +297,11 @@ def run(events: int = EVENTS) -> dict[str, Any]:
         startup = time_startup(Path(tmp), CLI_REPEATS)
         cli = time_cli(path, CLI_REPEATS)
         pipeline = time_pipeline(path, INPROCESS_REPEATS)
+        path.unlink()
+        streamed = time_stream(Path(tmp), stream_events)
     return {
+        "load": (*load, *os.getloadavg()[:2]),
+        "stream": streamed,
         "events": written,
         "nodes": NODES,
         "file_bytes": size,
@@ -364,5 +410,40 @@ def section(r: dict[str, Any]) -> str:
             "are bigger than section 1's mix (bursts of up to 16 mixed events), so more rules match:",
             f"{r['matched']:.1f} per decision on average (section 1 gives its mix's figure), and every match",
             "builds its reason strings.",
+            "",
+            *_stream_section(r["stream"], r["load"]),
         ]
     )
+
+
+def _stream_section(s: dict[str, Any], load: tuple[float, ...]) -> list[str]:
+    n, mb = s["events"], 2**20
+    events_per_s = n / s["seconds"]
+    above = (s["peak"] - s["baseline"]) / n
+    verdicts = [
+        f"{'meets' if events_per_s >= TARGET_RATE else 'does not meet'} ≥{TARGET_RATE:,} events/s",
+        f"{'meets' if s['peak'] <= TARGET_RSS else 'does not meet'} ≤{TARGET_RSS // mb} MB",
+    ]
+    return [
+        f"### Streaming {n:,} events",
+        "",
+        f"The same generator, {n:,} events ({s['bytes'] / 1e6:.0f} MB), one run of the CLI as above; peak RSS",
+        "is the child's `VmHWM` (read every 20 ms while it runs), against the same command on a one-event file.",
+        "",
+        table(
+            ["events", "wall", "events/s", "peak RSS", "one-event run", "RSS above it, per input event"],
+            [
+                [
+                    f"{n:,}",
+                    f"{num(s['seconds'])} s",
+                    f"**{num(events_per_s)}**",
+                    f"**{s['peak'] / mb:.0f} MB**",
+                    f"{s['baseline'] / mb:.0f} MB",
+                    f"{above:.0f} bytes",
+                ]
+            ],
+        ),
+        "",
+        f"This run {' and '.join(verdicts)} (load average 1/5 min {load[0]:.2f}/{load[1]:.2f} before this",
+        f"benchmark, {load[2]:.2f}/{load[3]:.2f} after it).",
+    ]

@@ -13,6 +13,11 @@ start, the service claims the incidents still being handled that no live run hol
 or a predecessor killed mid-run) and runs them again from their last recorded step, after
 settling the node actions a crash left without an outcome (tasks/reconcile.py).
 
+Before any of that, events pass the differential (medic/culprit.py): step timings become the
+stragglers their peers reveal, a hang's timeouts become its culprit's (held `settle` seconds for
+the reports to come in), and events without a switch get their node's leaf from the scheduler.
+What it derives is stored before it is correlated, like every event.
+
 Events a policy `switch` condition counts (collective timeouts, say) are held for
 `defaults.storm_hold_seconds` first: the first node to report a switch failure reports it
 alone, and deciding on it before its neighbours do would take a healthy node out. Held events
@@ -24,19 +29,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import anyio
 
 from flows.dispatch import remediate_one, stored
 from flows.leases import Leases, runner_name
+from medic.culprit import Differential
 from medic.events import FaultEvent
 from medic.incidents import Incident, Storms, correlate
 from medic.statuses import ACTIVE_INCIDENT_STATUSES, TERMINAL_INCIDENT_STATUSES
 from medic.store.tables import IncidentRecord
+from medic.topology import Topology
 from tasks import prefect_events
 from tasks.evidence import storms
 from tasks.guard import ensure_limits
@@ -44,6 +52,7 @@ from tasks.reconcile import reconcile_intents
 from tasks.runtime import Runtime
 
 log = logging.getLogger("medic.live")
+TOPOLOGY_REFRESH_S = 600.0  # switches change with recabling, not by the minute
 
 
 class LiveDispatcher:
@@ -55,6 +64,10 @@ class LiveDispatcher:
         self._held: dict[str, list[FaultEvent]] = {}
         self._correlating = asyncio.Lock()
         self._warming: threading.Thread | None = None
+        self.differential = Differential()
+        self._differing = threading.Lock()  # batches and the settle timer take turns in worker threads
+        self._topology_until = 0.0
+        self._settling = False
 
     async def warm_up(self) -> None:
         """Start Prefect's API (embedded or remote) before the first fault needs it."""
@@ -67,6 +80,10 @@ class LiveDispatcher:
         self._warming.start()
 
     async def __call__(self, events: list[FaultEvent]) -> None:
+        await self._take(await anyio.to_thread.run_sync(self._diagnose, events))
+        self._settle_later()
+
+    async def _take(self, events: list[FaultEvent]) -> None:
         policy = self.rt.policy().policy
         counted = policy.storms().counts
         now = [e for e in events if not counted(e)]
@@ -119,6 +136,40 @@ class LiveDispatcher:
         task = asyncio.create_task(work())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _diagnose(self, events: list[FaultEvent]) -> list[FaultEvent]:
+        with self._differing:
+            if time.monotonic() >= self._topology_until:
+                self._topology_until = time.monotonic() + TOPOLOGY_REFRESH_S
+                try:
+                    self.differential.topology = Topology.of_nodes(self.rt.backends.scheduler.nodes())
+                except Exception:  # the scheduler is down: the switches it said last will do
+                    log.exception("reading the topology from the scheduler failed")
+            return self._stored(events, [out for event in events for out in self.differential.push(event)])
+
+    def _settled(self) -> list[FaultEvent]:
+        with self._differing:
+            return self._stored([], self.differential.due(datetime.now(UTC)))
+
+    def _stored(self, given: list[FaultEvent], out: list[FaultEvent]) -> list[FaultEvent]:
+        given_ids = {e.id for e in given}
+        self.rt.store.record_accepted(e for e in out if e.id not in given_ids)  # derived: a culprit
+        return out
+
+    def _settle_later(self) -> None:
+        """Hand on held collective timeouts once they settle: one timer at a time."""
+        due = self.differential.hangs.next_due()
+        if due is None or self._settling:
+            return
+        self._settling = True
+
+        async def release() -> None:
+            await asyncio.sleep(max(0.0, (due - datetime.now(UTC)).total_seconds()))
+            self._settling = False
+            await self._take(await anyio.to_thread.run_sync(self._settled))
+            self._settle_later()
+
+        self._spawn(release)
 
     def _hold(self, event: FaultEvent, seconds: float) -> None:
         switch = event.switch or ""

@@ -4,17 +4,22 @@ triage → diagnose (DCGM ladder, re-deciding after each level) → decide → a
 verify/reintegrate → notify → close. The node's jobs are moved off it before anything stresses or
 resets it (a level 2-4 diagnostic, a destructive action), so `resume job` only waits on those
 (docs/decisions/0008-job-off-node.md). Every stage writes to the store; the run is tagged with
-node, job, owner, classification and action, and carries a markdown audit artifact, so the
-Prefect UI's run history reads as an audit on its own.
+node, job, owner, classification and action, carries a markdown audit artifact and a link to
+its record, its task runs are named for what they did ("act: reboot gpu-node-3"), and each stage
+logs one line (what, on which node, why, how it ended: tasks/stage.py), so the Prefect UI's run
+history reads as an audit on its own (docs/serve.md).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.states import State
+from prefect.utilities.urls import url_for
 from pydantic import BaseModel
 
 from flows.approval import await_approval
@@ -24,6 +29,8 @@ from medic.policy import Action, Decision
 from medic.policy.model import DESTRUCTIVE
 from medic.protocols import Message
 from medic.statuses import TERMINAL_INCIDENT_STATUSES, ActStatus, IncidentStatus
+from medic.store import IncidentDetail
+from medic.store.tables import DecisionRecord
 from tasks.act import ActOutcome, act
 from tasks.close import close
 from tasks.decide import decide_incident
@@ -156,6 +163,51 @@ def _evidence(incident_id: str) -> str:
     return f"{len(events)} events ({', '.join(kinds)})"
 
 
+def _decided(d: DecisionRecord) -> tuple[object, ...]:
+    return (
+        d.policy_sha256,
+        d.rule,
+        d.classification,
+        d.action,
+        d.diagnose_level,
+        d.reason,
+        d.guardrail,
+        d.blocked_action,
+    )
+
+
+def as_it_happened(detail: IncidentDetail) -> IncidentDetail:
+    """The audit as a reader follows it: a decision the policy merely repeated (triage's first
+    answer confirmed by `decide` on the same evidence) once, and the node actions in the order they
+    were carried out. An action's row is written when it is claimed, before the drain it includes,
+    so it is ordered by when it finished."""
+    decisions = [
+        d
+        for i, d in enumerate(detail.decisions)
+        if i == 0 or _decided(d) != _decided(detail.decisions[i - 1])
+    ]
+    actions = sorted(detail.actions, key=lambda a: a.finished_at or a.intent_at)
+    return replace(detail, decisions=decisions, actions=actions)
+
+
+async def _publish(incident_id: str, node: str, summary: str) -> None:
+    """The audit artifact, and a link to the incident's record: this run's page, to share, where the
+    Prefect UI's address is known."""
+    detail = current().store.incident_detail(incident_id)
+    if detail is not None:
+        await create_markdown_artifact(
+            markdown=incident_markdown(as_it_happened(detail)), key=incident_id, description=summary
+        )
+    page = url_for("flow-run", obj_id=flow_run.id) if flow_run.id else None
+    if page:
+        await create_link_artifact(
+            link=page,
+            link_text=f"Incident {incident_id} on {node}",
+            key=f"{incident_id}-record",
+            description=f"The incident's full record: `medic incident {incident_id}` prints it step by step.",
+        )
+
+
 @flow(name="remediate-incident", flow_run_name=_run_name, log_prints=False, persist_result=False)
 async def remediate(incident_id: str, node: str) -> Outcome:
     logger = get_run_logger()
@@ -191,7 +243,7 @@ async def remediate(incident_id: str, node: str) -> Outcome:
         )
     if decision.approve and decision.action not in (Action.NONE, Action.ESCALATE):
         await thread.open()
-        with stage(current().store, incident_id, "approval") as log:
+        with stage(current().store, incident_id, "approval", node=node, why=decision.action.value) as log:
             answer = await await_approval(triaged, decision)
             log.done(answer.detail, drain=answer.drain)
         if not answer.approved:
@@ -233,10 +285,6 @@ async def remediate(incident_id: str, node: str) -> Outcome:
     await thread.say(f"Closed: {summary}")
 
     close(incident_id, summary, status=closing_status(acted, verified))
-    detail = current().store.incident_detail(incident_id)
-    if detail is not None:
-        await create_markdown_artifact(
-            markdown=incident_markdown(detail), key=incident_id, description=summary
-        )
+    await _publish(incident_id, node, summary)
     await thread.flush()  # the one wait on chat, bounded (tasks/notify.py FLUSH_S), after all else
     return outcome_of(incident_id, node, decision, acted, resumed, verified, seen, thread.ok, summary)

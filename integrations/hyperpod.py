@@ -324,18 +324,12 @@ class HyperPodProvider:
         if node_id is None:
             comeback.last_seen = "its new instance is not listed yet"
             return None
-        try:
-            details = self._retrier.call(
-                self.client.describe_cluster_node, ClusterName=self.cluster_name, NodeId=node_id
-            )["NodeDetails"]
-        except ClientError as error:
-            if error_code(error) != "ResourceNotFound":
-                raise
-            self._ids.pop(comeback.node, None)  # gone (replaced or removed): look it up afresh next time
+        found = self._details(comeback.node, node_id)
+        if found is None:
             comeback.went_away = True
             comeback.last_seen = f"{node_id} not found"
             return None
-        details = {"InstanceId": node_id, **details}
+        details = {"InstanceId": node_id, **found}
         comeback.last_seen = _describe_summary(details)
         launched = details.get("LaunchTime")
         if node_id != requested.node_id or (
@@ -355,13 +349,8 @@ class HyperPodProvider:
         node_id = self._lookup(node)
         if node_id is None:
             return witnessed(self.scheduler, node, since)
-        try:
-            details = self._retrier.call(
-                self.client.describe_cluster_node, ClusterName=self.cluster_name, NodeId=node_id
-            )["NodeDetails"]
-        except ClientError as error:
-            if error_code(error) != "ResourceNotFound":
-                raise
+        details = self._details(node, node_id)
+        if details is None:
             if action == "replace":
                 return Settled(True, f"{node} ({node_id}) is no longer in cluster {self.cluster_name}")
             return witnessed(self.scheduler, node, since)
@@ -378,18 +367,25 @@ class HyperPodProvider:
         node_id = self._lookup(node)
         if node_id is None:
             return False
+        details = self._details(node, node_id)
+        if details is None:
+            return False
+        status = details.get("InstanceStatus", {})
+        log.debug("%s (%s): %s %s", node, node_id, status.get("Status"), status.get("Message", ""))
+        return status.get("Status") == "Running"
+
+    def _details(self, node: str, node_id: str) -> dict[str, Any] | None:
+        """DescribeClusterNode's NodeDetails; None when HyperPod no longer has the instance."""
         try:
-            details = self._retrier.call(
+            details: dict[str, Any] = self._retrier.call(
                 self.client.describe_cluster_node, ClusterName=self.cluster_name, NodeId=node_id
             )["NodeDetails"]
         except ClientError as error:
             if error_code(error) != "ResourceNotFound":
                 raise
             self._ids.pop(node, None)  # gone (replaced or removed): look it up afresh next time
-            return False
-        status = details.get("InstanceStatus", {})
-        log.debug("%s (%s): %s %s", node, node_id, status.get("Status"), status.get("Message", ""))
-        return status.get("Status") == "Running"
+            return None
+        return details
 
     def _check_id(self, node_id: str) -> None:
         if not self._id_pattern.fullmatch(node_id):

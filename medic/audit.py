@@ -34,8 +34,9 @@ def incident_markdown(detail: IncidentDetail) -> str:
         )
     lines += ["", "## Decisions", ""]
     for d in detail.decisions:
+        action = f"{d.action} L{d.diagnose_level}" if d.diagnose_level else d.action
         lines.append(
-            f"- {d.decided_at:%H:%M:%S} **{d.action}** ({d.classification}) by rule `{d.rule}` — {d.reason} "
+            f"- {d.decided_at:%H:%M:%S} **{action}** ({d.classification}) by rule `{d.rule}` — {d.reason} "
             f"(policy `{d.policy_path}` sha256 `{d.policy_sha256[:12]}`)"
         )
     lines += ["", "## Actions", ""]

@@ -27,6 +27,13 @@ def _key(event: FaultEvent, scope: str) -> Hashable | None:
     return getattr(event, scope)
 
 
+def index_keys(event: FaultEvent) -> list[tuple[Hashable, ...]]:
+    """The index entries an event is in: its kind, and its kind with each scope it has a key for."""
+    keys: list[tuple[Hashable, ...]] = [(event.kind,)]
+    keys += [(event.kind, scope, key) for scope in SCOPES if (key := _key(event, scope)) is not None]
+    return keys
+
+
 class _Series:
     """Events of one index entry, sorted by time, with their times for bisection."""
 
@@ -57,11 +64,8 @@ class Context:
     ) -> None:
         self._series: dict[tuple[Hashable, ...], _Series] = {}
         for event in events:
-            self._series.setdefault((event.kind,), _Series()).events.append(event)
-            for scope in SCOPES:
-                key = _key(event, scope)
-                if key is not None:
-                    self._series.setdefault((event.kind, scope, key), _Series()).events.append(event)
+            for key in index_keys(event):
+                self._series.setdefault(key, _Series()).events.append(event)
         for series in self._series.values():
             series.sort()
         self.switch_sizes: Mapping[str, int] = switch_sizes or {}

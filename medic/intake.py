@@ -2,6 +2,8 @@
 
 Nothing here raises on bad input. A line that is not a valid event becomes a `Rejection`
 that names where it came from and why, and keeps the raw text so it can be fixed and replayed.
+Accepted events then pass the differential (medic/culprit.py): step timings and a hang's
+timeouts come out as the culprits they name.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import IO, NoReturn
 
 from pydantic import ValidationError
 
+from medic.culprit import differential
 from medic.events import FaultEvent, describe_validation_error
 
 MAX_LINE_BYTES = 64 * 1024
@@ -156,7 +159,8 @@ def _storable(text: str) -> str:
 
 @dataclass(slots=True)
 class Intake:
-    """Accepted events in arrival order, rejections, and ids dropped as repeats."""
+    """Accepted events in arrival order (a culprit where its evidence completed, held timeouts
+    once they settled), rejections, and ids dropped as repeats."""
 
     events: list[FaultEvent] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
@@ -179,6 +183,8 @@ def read_lines(lines: Iterable[str], name: str, seen: set[str] | None = None) ->
         else:
             seen.add(parsed.id)
             intake.events.append(parsed)
+    # Step timings become the stragglers they reveal and hangs their culprits (medic/culprit.py).
+    intake.events = differential(intake.events)
     return intake
 
 

@@ -1,22 +1,40 @@
 """`medic triage`: events in, one decision per incident out, nothing acted on. No Prefect needed.
 
 The JSON form of `TriageLine` is a public contract (docs/triage.md); tests pin it.
+
+Triage streams. Events are taken in time order, and an incident is decided as soon as nothing
+later in the input can change it: its node has been quiet for the correlation window, no switch
+storm can still claim its events, and every incident opened before it has been decided (the
+guardrails replay decisions in the order incidents opened). Memory holds the events of the
+correlation window, the events cross-node conditions can still look back at (per kind, as far as
+the policy's `count` and `switch` conditions reach), the remediations of the last week and the
+incidents waiting for an older one: not the input. The result is the batch one: `correlate` over
+every event, decided with every event as the context.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import hashlib
+import heapq
+from array import array
+from bisect import bisect_left, bisect_right
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from typing import Literal
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import IO, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from medic.context import Context
-from medic.events import FaultEvent
-from medic.facts import Facts, facts_of, taken_out_by_us
-from medic.incidents import Incident, correlate
-from medic.policy import LoadedPolicy, decide, guardrails
+from medic.context import Context, index_keys
+from medic.culprit import Differential
+from medic.errors import MedicError
+from medic.events import EventKind, FaultEvent
+from medic.facts import HISTORY_WINDOW, RETURNS, TAKES_OUT, Facts, facts_of, taken_out_by_us
+from medic.incidents import Incident, Storms, incident_id
+from medic.intake import Rejection, bounded_lines, parse_line
+from medic.policy import LoadedPolicy, Policy, decide, guardrails
 from medic.policy.guardrails import HOUR, FleetState, takes_node_out
 from medic.policy.model import DESTRUCTIVE, Action, Decision
 
@@ -85,12 +103,24 @@ class _ReplayedFleet:
             # diagnostic keeps it out until a later decision says otherwise.
             self.out_of_service.discard(node)
 
+    def forget_taken_out_before(self, moment: datetime) -> None:
+        """Drop when nodes went out before `moment`: no later decision's breaker window reaches it."""
+        self.taken_out_at = {node: at for node, at in self.taken_out_at.items() if at >= moment}
+
 
 @dataclass(frozen=True, slots=True)
 class Replayed:
+    """One decision of a replay. The incident's `history` holds the node's remediations that can
+    still matter to it: those of the last seven days, and the latest that took it out or returned it."""
+
     incident: Incident
     facts: Facts
     decision: Decision
+
+
+class OutOfOrder(MedicError, ValueError):
+    """Raised when a streamed event is older than one already passed on by more than the slack
+    allowed for, so the stream cannot be put back in time order; `replay` takes any order."""
 
 
 def replay(
@@ -99,28 +129,27 @@ def replay(
     """Decide on each incident in time order, as the flows would, without acting.
 
     Cross-node conditions see every event of the input; guardrails see the fleet as the earlier
-    decisions would have left it. Without `fleet_size` only the count limits apply.
+    decisions would have left it. Without `fleet_size` only the count limits apply. The events
+    may come in any order (they are sorted first); `stream` takes them already in order.
     """
-    events = list(events)
-    policy = loaded.policy
-    context = Context(events, fleet_size=fleet_size)
-    fleet = _ReplayedFleet(fleet_size)
-    window = timedelta(minutes=policy.defaults.incident_window_minutes)
-    for incident in correlate(events, window, policy.storms()):
-        now = incident.last_at
-        # Out of service as the earlier decisions would have left it, or as the input records it:
-        # a drain or reboot of ours that nothing returned, as the live path reads the scheduler.
-        out = incident.node in fleet.out_of_service or taken_out_by_us(incident.history)
-        facts = facts_of(incident, out_of_service=out, context=context)
-        decision = guardrails.apply(
-            policy.guardrails,
-            fleet.state(now, incident.opened_at),
-            incident.node,
-            decide(policy, facts, loaded.sha256),
-            incident.scope,
-        )
-        fleet.record(incident.node, now, decision)
-        yield Replayed(incident, facts, decision)
+    return stream(sorted(events, key=_order), loaded, fleet_size)
+
+
+def stream(
+    events: Iterable[FaultEvent],
+    loaded: LoadedPolicy,
+    fleet_size: int | None = None,
+    slack: timedelta | None = None,
+) -> Iterator[Replayed]:
+    """`replay` over events that come in time order, each decision out as soon as it is final.
+
+    An event may come up to `slack` (default: the policy's incident window) after a later one;
+    one that comes later than that raises `OutOfOrder`.
+    """
+    streaming = Stream(loaded, fleet_size, slack)
+    for event in events:
+        yield from streaming.push(event)
+    yield from streaming.finish()
 
 
 def triage(
@@ -128,3 +157,434 @@ def triage(
 ) -> Iterator[tuple[Incident, Decision]]:
     for replayed in replay(events, loaded, fleet_size):
         yield replayed.incident, replayed.decision
+
+
+class _Ids:
+    """The event ids seen so far, as 128-bit digests in one flat table: 16-32 bytes an id, where a
+    set of strings costs about 100. The one thing triage keeps for the whole input, so that a
+    repeated id is dropped wherever it comes. Two of a million different ids share a digest with
+    a chance of about 10^-26."""
+
+    __slots__ = ("_slots", "_used")
+
+    def __init__(self) -> None:
+        self._slots = array("Q", bytes(8 * 2 * 1024))  # (high, low) pairs; high 0: empty
+        self._used = 0
+
+    def add(self, event_id: str) -> bool:
+        """Remember `event_id`: True if it is new."""
+        digest = hashlib.blake2b(event_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        high, low = int.from_bytes(digest[:8], "little") | 1, int.from_bytes(digest[8:], "little")
+        if not self._put(high, low):
+            return False
+        self._used += 1
+        if self._used * 4 > len(self._slots):  # half the pairs taken
+            old, self._slots = self._slots, array("Q", bytes(8 * 2 * len(self._slots)))
+            for i in range(0, len(old), 2):
+                if old[i]:
+                    self._put(old[i], old[i + 1])
+        return True
+
+    def _put(self, high: int, low: int) -> bool:
+        slots = self._slots
+        mask = len(slots) // 2 - 1
+        pair = low & mask
+        while slots[2 * pair]:
+            if slots[2 * pair] == high and slots[2 * pair + 1] == low:
+                return False
+            pair = (pair + 1) & mask
+        slots[2 * pair], slots[2 * pair + 1] = high, low
+        return True
+
+
+@dataclass(slots=True)
+class EventReader:
+    """A file's events, one line at a time, as `medic.intake.read_file` takes them: blank lines
+    skipped, an id seen before dropped (and kept in `duplicates`). `chars` counts what has been
+    read, for progress."""
+
+    handle: IO[str]
+    name: str
+    rejected: int = 0
+    duplicates: list[str] = field(default_factory=list)
+    chars: int = 0
+
+    def __enter__(self) -> EventReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.handle.close()
+
+    def events(self, on_rejected: Callable[[Rejection], None]) -> Iterator[FaultEvent]:
+        """The events, in file order; a line that is not an event goes to `on_rejected` as it comes."""
+        seen = _Ids()
+        differential = Differential()  # as medic.intake.read_lines: culprits, not victims
+        for number, raw in enumerate(bounded_lines(self.handle), start=1):
+            self.chars += len(raw)
+            text = raw.strip()
+            if not text:
+                continue
+            parsed = parse_line(text, f"{self.name}:{number}")
+            if isinstance(parsed, Rejection):
+                self.rejected += 1
+                on_rejected(parsed)
+            elif not seen.add(parsed.id):
+                self.duplicates.append(parsed.id)
+            else:
+                yield from differential.push(parsed)
+        yield from differential.flush()
+
+
+def read_file(path: Path) -> EventReader:
+    """`path` opened to be read one event at a time; raises `OSError` when it cannot be opened.
+
+    The streaming twin of `medic.intake.read_file`, which reads the whole file at once."""
+    # utf-8-sig and replace, as medic.intake.read_file: the same text gives the same events.
+    return EventReader(path.open(encoding="utf-8-sig", errors="replace"), str(path))
+
+
+# Times in the stream are integer microseconds since the epoch: the same order as the aware
+# datetimes, without the time-zone arithmetic each datetime comparison costs.
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+MICROSECOND = timedelta(microseconds=1)
+Key = tuple[int, str]  # (time, id): the order of events, and of incidents by their first event
+
+
+def _micros(moment: datetime) -> int:
+    return (moment - EPOCH) // MICROSECOND
+
+
+def _order(event: FaultEvent) -> tuple[datetime, str]:
+    return event.time, event.id
+
+
+def _lookbacks(policy: Policy) -> dict[EventKind, timedelta]:
+    """How far back cross-node conditions look, per kind they count: the context worth keeping."""
+    reach: dict[EventKind, timedelta] = {}
+    for rule in policy.rules:
+        spans = [(c.event_kinds(), c.within_minutes) for c in rule.when.count or ()]
+        if rule.when.switch:
+            spans.append((tuple(rule.when.switch.kinds), rule.when.switch.within_minutes))
+        for kinds, minutes in spans:
+            for kind in kinds:
+                reach[kind] = max(reach.get(kind, timedelta()), timedelta(minutes=minutes))
+    return reach
+
+
+@dataclass(slots=True)
+class _Series:
+    """The events of one index entry, in time order, with their times (microseconds) to bisect."""
+
+    events: list[FaultEvent] = field(default_factory=list)
+    times: list[int] = field(default_factory=list)
+
+
+class _Recent(Context):
+    """The context of a stream: events added in time order, dropped once no decision to come can
+    look back at them. Only the kinds some condition counts are kept (no other is ever asked for).
+    Indexed as `Context` indexes (by kind, and by kind and node, job, switch or mark)."""
+
+    def __init__(self, lookbacks: dict[EventKind, timedelta], fleet_size: int | None) -> None:
+        super().__init__(fleet_size=fleet_size)
+        self._lookbacks = lookbacks
+        self._index: dict[tuple[Hashable, ...], _Series] = {}
+        self._arrivals: dict[EventKind, deque[tuple[int, FaultEvent]]] = {}  # in time order, per kind
+        self.entries = 0  # events held, counted once per index entry they are in
+
+    def add(self, event: FaultEvent, at: int) -> None:
+        if event.kind not in self._lookbacks:
+            return
+        for series_key in index_keys(event):
+            series = self._index.get(series_key)
+            if series is None:
+                series = self._index[series_key] = _Series()
+            series.events.append(event)
+            series.times.append(at)
+            self.entries += 1
+        self._arrivals.setdefault(event.kind, deque()).append((at, event))
+
+    def window(
+        self,
+        kinds: Iterable[EventKind],
+        start: datetime,
+        end: datetime,
+        scope: str | None = None,
+        key: Hashable | None = None,
+    ) -> Iterator[FaultEvent]:
+        low, high = _micros(start), _micros(end)
+        for kind in kinds:
+            series = self._index.get((kind,) if scope is None else (kind, scope, key))
+            if series is not None:
+                yield from series.events[bisect_left(series.times, low) : bisect_right(series.times, high)]
+
+    def count(self, kinds: Iterable[EventKind], start: datetime, end: datetime) -> int:
+        low, high = _micros(start), _micros(end)
+        found = 0
+        for kind in kinds:
+            series = self._index.get((kind,))
+            if series is not None:
+                found += bisect_right(series.times, high) - bisect_left(series.times, low)
+        return found
+
+    def forget_before(self, moment: int) -> None:
+        """Drop what no window ending at `moment` or later reaches: each kind's oldest events
+        first, which are the first of every index entry they are in."""
+        gone: Counter[tuple[Hashable, ...]] = Counter()
+        for kind, arrivals in self._arrivals.items():
+            cutoff = moment - self._lookbacks[kind] // MICROSECOND
+            while arrivals and arrivals[0][0] < cutoff:
+                gone.update(index_keys(arrivals.popleft()[1]))
+        for series_key, count in gone.items():
+            series = self._index[series_key]
+            if count == len(series.times):
+                del self._index[series_key]
+            else:
+                del series.events[:count], series.times[:count]
+        self.entries -= gone.total()
+
+
+@dataclass(slots=True)
+class _Burst:
+    """Events a switch condition counts, under one switch, none more than the window after the last."""
+
+    switch: str
+    last: int  # time of the latest event
+    events: list[FaultEvent] = field(default_factory=list)
+    storm: bool | None = None  # None until nothing more can join
+
+
+@dataclass(slots=True)
+class _Open:
+    """A node's open incident, with the times its correlation looks at."""
+
+    incident: Incident
+    first: Key
+    last: int
+
+
+@dataclass(slots=True)
+class _History:
+    """A node's remediations that can still matter: the last week's, and the latest that took it
+    out or returned it before that (what `taken_out_by_us` goes by, however old)."""
+
+    before: FaultEvent | None = None
+    recent: deque[tuple[int, FaultEvent]] = field(default_factory=deque)
+
+    def add(self, at: int, event: FaultEvent, horizon: int) -> None:
+        self.recent.append((at, event))
+        while self.recent[0][0] < horizon:
+            _, old = self.recent.popleft()
+            if old.attributes.get("action") in TAKES_OUT | RETURNS:
+                self.before = old
+
+    def until(self, moment: int) -> list[FaultEvent]:
+        kept = [] if self.before is None else [self.before]
+        return kept + [event for at, event in self.recent if at <= moment]
+
+
+class Stream:
+    """`correlate`, `facts_of`, `decide` and the guardrails, one event at a time (see the module's
+    docstring). Events pass three stages: a reorder buffer (`slack`), switch storms (an event a
+    `switch` condition counts waits until its burst is over and known to be a storm or not, and
+    every event after it with it), and node incidents. Closed incidents wait in `ready` for their
+    turn, in the order they opened. Heaps of deadlines are lazy: an entry is dropped when popped
+    if its burst or incident has grown since."""
+
+    def __init__(
+        self,
+        loaded: LoadedPolicy,
+        fleet_size: int | None = None,
+        slack: timedelta | None = None,
+        prune_every: int = 1024,  # events between two prunings of the context
+    ) -> None:
+        policy = self.policy = loaded.policy
+        self.sha256 = loaded.sha256
+        window = timedelta(minutes=policy.defaults.incident_window_minutes)
+        self.window = window // MICROSECOND
+        self.slack = (window if slack is None else slack) // MICROSECOND
+        self.storms: Storms = policy.storms()
+        self.storm_kinds = self.storms.kinds
+        breaker = policy.guardrails.circuit_breaker
+        self.breaker_window = timedelta(minutes=breaker.window_minutes if breaker else 0)
+        self.context = _Recent(_lookbacks(policy), fleet_size)
+        self.fleet = _ReplayedFleet(fleet_size)
+        self.prune_every = prune_every
+        self.since_pruning = 0
+        # Stage 1: the reorder buffer, the latest time seen, and the last event passed on.
+        self.pending: list[tuple[int, str, FaultEvent]] = []
+        self.latest = -(2**63)
+        self.passed: Key | None = None
+        # Stage 2: events in order, held while a storm may still take one of them; open bursts.
+        self.held: deque[tuple[int, FaultEvent, _Burst | None]] = deque()
+        self.bursts: dict[str, _Burst] = {}
+        self.burst_ends: list[tuple[int, int, _Burst]] = []
+        # Stage 3: node incidents, open by node, by first event and by when they close; history.
+        self.open: dict[str, _Open] = {}
+        self.open_keys: list[tuple[Key, int, _Open]] = []
+        self.open_ends: list[tuple[int, int, _Open]] = []
+        self.history: dict[str, _History] = {}
+        # Closed incidents not yet decided, in the order they opened.
+        self.ready: list[tuple[Key, int, Incident]] = []
+        self.serial = 0  # tie-break for heap entries (incidents and bursts do not compare)
+
+    def _next(self) -> int:
+        self.serial += 1
+        return self.serial
+
+    @property
+    def held_events(self) -> int:
+        """Events held right now, in the buffers and the incidents not yet decided."""
+        open_events = sum(len(o.incident.events) for o in self.open.values())
+        ready_events = sum(len(i.events) for _, _, i in self.ready)
+        return len(self.pending) + len(self.held) + open_events + ready_events
+
+    def push(self, event: FaultEvent) -> Iterator[Replayed]:
+        key = (_micros(event.time), event.id)
+        if self.passed is not None and key < self.passed:
+            raise OutOfOrder(
+                f"event {event.id} at {event.time.isoformat()} comes after a later one passed on: "
+                f"more than {timedelta(microseconds=self.slack)} out of time order"
+            )
+        heapq.heappush(self.pending, (*key, event))
+        self.latest = max(self.latest, key[0])
+        while self.pending and self.pending[0][0] < self.latest - self.slack:
+            self._pass(heapq.heappop(self.pending))
+        return self._decide_ready()
+
+    def finish(self) -> Iterator[Replayed]:
+        while self.pending:
+            self._pass(heapq.heappop(self.pending))
+        for burst in list(self.bursts.values()):
+            self._settle(burst)
+        self._release_held()
+        for entry in list(self.open.values()):
+            self._close(entry)
+        return self._decide_ready()
+
+    def _pass(self, item: tuple[int, str, FaultEvent]) -> None:
+        """Stage 2: an event in time order."""
+        at, _, event = item
+        self.passed = item[:2]
+        self.context.add(event, at)
+        burst = None
+        if event.switch is not None and event.kind in self.storm_kinds:
+            burst = self.bursts.get(event.switch)
+            if burst is None or at - burst.last > self.window:
+                if burst is not None:
+                    self._settle(burst)
+                burst = self.bursts[event.switch] = _Burst(event.switch, at)
+            burst.events.append(event)
+            burst.last = at
+            heapq.heappush(self.burst_ends, (at + self.window, self._next(), burst))
+        self.held.append((at, event, burst))
+        while self.burst_ends and self.burst_ends[0][0] < at:
+            ended = heapq.heappop(self.burst_ends)[2]
+            if ended.storm is None and ended.last + self.window < at:
+                self._settle(ended)
+        self._release_held()
+        self.since_pruning += 1
+        if self.since_pruning >= self.prune_every:
+            self._prune()
+
+    def _settle(self, burst: _Burst) -> None:
+        burst.storm = self.storms.is_storm(burst.switch, burst.events)
+        if self.bursts.get(burst.switch) is burst:
+            del self.bursts[burst.switch]
+        if burst.storm:
+            first = burst.events[0]
+            incident = Incident(
+                id=incident_id(f"switch:{burst.switch}", first.id),
+                node=burst.switch,
+                events=burst.events,
+                scope="switch",
+            )
+            heapq.heappush(self.ready, ((_micros(first.time), first.id), self._next(), incident))
+
+    def _release_held(self) -> None:
+        while self.held and (self.held[0][2] is None or self.held[0][2].storm is not None):
+            at, event, burst = self.held.popleft()
+            if burst is None or not burst.storm:
+                self._node_event(at, event)
+
+    def _node_event(self, at: int, event: FaultEvent) -> None:
+        """Stage 3: an event no storm took, in time order."""
+        while self.open_ends and self.open_ends[0][0] < at:
+            ended = heapq.heappop(self.open_ends)[2]
+            if self.open.get(ended.incident.node) is ended and ended.last + self.window < at:
+                self._close(ended)
+        if event.kind is EventKind.REMEDIATION:
+            # Older than the oldest week a decision to come looks at: every incident still open
+            # on the node has its last event within the window.
+            horizon = at - self.window - HISTORY_WINDOW // MICROSECOND
+            self.history.setdefault(event.node, _History()).add(at, event, horizon)
+            return
+        entry = self.open.get(event.node)
+        if entry is None or at - entry.last > self.window:
+            if entry is not None:
+                self._close(entry)
+            incident = Incident(id=incident_id(event.node, event.id), node=event.node)
+            entry = self.open[event.node] = _Open(incident, (at, event.id), at)
+            heapq.heappush(self.open_keys, (entry.first, self._next(), entry))
+        entry.incident.add(event)
+        entry.last = at
+        heapq.heappush(self.open_ends, (at + self.window, self._next(), entry))
+
+    def _close(self, entry: _Open) -> None:
+        incident = entry.incident
+        del self.open[incident.node]
+        history = self.history.get(incident.node)
+        incident.history = history.until(entry.last) if history else []
+        heapq.heappush(self.ready, (entry.first, self._next(), incident))
+
+    def _oldest_open(self) -> Key | None:
+        keys = self.open_keys
+        while keys and self.open.get(keys[0][2].incident.node) is not keys[0][2]:
+            heapq.heappop(keys)  # closed since
+        return keys[0][0] if keys else None
+
+    def _first_unsettled(self) -> Key | None:
+        """The earliest an incident not yet closed can have opened: no later one may be decided."""
+        held = (self.held[0][0], self.held[0][1].id) if self.held else None
+        pending = self.pending[0][:2] if self.pending else None
+        return min((k for k in (self._oldest_open(), held, pending) if k is not None), default=None)
+
+    def _decide_ready(self) -> Iterator[Replayed]:
+        # `_first_unsettled`, one source at a time: this runs for every event.
+        while self.ready:
+            first = self.ready[0][0]
+            oldest = self._oldest_open()
+            if (
+                (oldest is not None and oldest < first)
+                or (self.held and (self.held[0][0], self.held[0][1].id) < first)
+                or (self.pending and self.pending[0][:2] < first)
+            ):
+                return
+            yield self._decide(heapq.heappop(self.ready)[2])
+
+    def _decide(self, incident: Incident) -> Replayed:
+        now = incident.last_at
+        self.fleet.forget_taken_out_before(incident.opened_at - self.breaker_window)
+        # Out of service as the earlier decisions would have left it, or as the input records it:
+        # a drain or reboot of ours that nothing returned, as the live path reads the scheduler.
+        out = incident.node in self.fleet.out_of_service or taken_out_by_us(incident.history)
+        facts = facts_of(incident, out_of_service=out, context=self.context)
+        decision = guardrails.apply(
+            self.policy.guardrails,
+            self.fleet.state(now, incident.opened_at),
+            incident.node,
+            decide(self.policy, facts, self.sha256),
+            incident.scope,
+        )
+        self.fleet.record(incident.node, now, decision)
+        return Replayed(incident, facts, decision)
+
+    def _prune(self) -> None:
+        """Forget context no decision to come can reach: each ends no earlier than its incident
+        opened, and none can have opened before the oldest incident or event still held."""
+        self.since_pruning = 0
+        oldest = [
+            key[0] for key in (self._first_unsettled(), self.ready[0][0] if self.ready else None) if key
+        ]
+        if self.passed is not None:
+            oldest.append(self.passed[0])
+        self.context.forget_before(min(oldest))

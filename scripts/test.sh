@@ -26,6 +26,11 @@ if ! command -v gcc >/dev/null 2>&1; then
   apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends gcc libc6-dev
 fi
 
+# Chromium: the Prefect UI test opens a flow run's page in it, headless (playwright drives it).
+if ! command -v chromium >/dev/null 2>&1; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
+fi
+
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

@@ -138,10 +138,19 @@ def _handed_over(decision: Decision) -> str:
     return "handed to humans; node not touched"
 
 
-@task(name="act", retries=2, retry_delay_seconds=1, retry_condition_fn=transient_only, timeout_seconds=1800)
+@task(
+    name="act",
+    task_run_name="act: {decision.action.value} {node}",
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient_only,
+    timeout_seconds=1800,
+)
 def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> ActOutcome:
     rt = current()
-    with stage(rt.store, incident_id, f"act: {decision.action.value}") as log:
+    with stage(
+        rt.store, incident_id, f"act: {decision.action.value}", node=node, why=f"rule {decision.rule}"
+    ) as log:
         action = decision.action
         if action in DESTRUCTIVE:
             outcome = _destructive(rt, incident_id, node, gpu, decision)

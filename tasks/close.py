@@ -16,7 +16,14 @@ from tasks.runtime import current
 from tasks.stage import stage
 
 
-@task(name="close", retries=2, retry_delay_seconds=1, retry_condition_fn=transient_only, timeout_seconds=30)
+@task(
+    name="close",
+    task_run_name="close {incident_id}: {status}",
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient_only,
+    timeout_seconds=30,
+)
 def close(incident_id: str, outcome: str, status: str = IncidentStatus.CLOSED) -> None:
     rt = current()
     with stage(rt.store, incident_id, "close") as log:

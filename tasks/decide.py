@@ -11,7 +11,14 @@ from tasks.runtime import current
 from tasks.stage import stage
 
 
-@task(name="decide", timeout_seconds=30, retries=2, retry_delay_seconds=1, retry_condition_fn=transient_only)
+@task(
+    name="decide",
+    task_run_name="decide {incident_id}",
+    timeout_seconds=30,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient_only,
+)
 def decide_incident(incident_id: str) -> Decision:
     rt = current()
     with stage(rt.store, incident_id, "decide") as log:

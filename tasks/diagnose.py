@@ -69,10 +69,16 @@ def _clear_node(
     return "; ".join(p for p in (taken.detail, off.detail) if p)
 
 
-@task(name="diagnose", retries=1, retry_delay_seconds=2, retry_condition_fn=transient_only)
+@task(
+    name="diagnose",
+    task_run_name="diagnose L{level} {node}",
+    retries=1,
+    retry_delay_seconds=2,
+    retry_condition_fn=transient_only,
+)
 def diagnose(incident_id: str, node: str, level: int) -> DiagnosticOutcome:
     rt = current()
-    with stage(rt.store, incident_id, f"diagnose L{level}") as log:
+    with stage(rt.store, incident_id, f"diagnose L{level}", node=node) as log:
         drained = None
         if level >= 2:
             cleared = _clear_node(rt, incident_id, node, level, log)

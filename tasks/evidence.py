@@ -11,6 +11,7 @@ from medic.incidents import Incident, Scope, Storms
 from medic.policy import Decision, decide, guardrails
 from medic.policy.guardrails import HOUR, FleetState
 from medic.policy.model import DESTRUCTIVE, Policy
+from medic.policy.replay import record_facts
 from medic.protocols import DiagnosticResult, NodeInfo
 from medic.store import utcnow
 from medic.store.tables import DiagnosticRecord
@@ -104,7 +105,7 @@ def evaluate(rt: Runtime, incident_id: str) -> Decision:
     )
     guard = (decision.guardrail, decision.reason) if decision.guardrail else None
     record_breaker_trip(rt, state, guard, incident_id)
-    rt.store.add_decision(decision, loaded.path)
+    rt.store.add_decision(decision, loaded.path, facts=record_facts(facts))
     return decision
 
 

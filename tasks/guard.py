@@ -21,6 +21,7 @@ held, so a holder that dies (a replica killed mid-action) frees the slot within 
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -119,8 +120,13 @@ def node_actions_slot(holder: UUID, wait_seconds: float = WAIT_SECONDS) -> Itera
     with get_client(sync_client=True) as client:
         lease = _acquire(client, holder, time.monotonic() + wait_seconds)
         released = threading.Event()
+        # In the caller's context: Prefect's settings (its API URL among them) may be set in-process,
+        # and a thread started bare would renew on a temporary server of its own.
         renewing = threading.Thread(
-            target=_renew, args=(lease, released), name="medic-slot-lease", daemon=True
+            target=contextvars.copy_context().run,
+            args=(_renew, lease, released),
+            name="medic-slot-lease",
+            daemon=True,
         )
         renewing.start()
         try:

@@ -21,14 +21,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from prefect import get_run_logger
-from prefect.exceptions import MissingContextError
-
 from medic.errors import PermanentError
 from medic.protocols import Message, Notifier
 from medic.statuses import StepStatus
 from medic.store import Store, utcnow
 from tasks.runtime import current
+from tasks.stage import run_logger
 
 # The final flush: the longest a run waits for chat, after everything else it does.
 FLUSH_S = 10.0
@@ -40,14 +38,6 @@ CLOSING_PAUSE_S = 1.0
 IDLE_S = 60.0
 
 log = logging.getLogger("medic.notify")
-
-
-def _logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
-    """The flow run's logger (its lines show in the Prefect UI) where there is a run, else ours."""
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return log
 
 
 @dataclass(eq=False, slots=True)
@@ -158,7 +148,7 @@ class _Outbox:
                     pause = BACKOFF_S[min(item.tries, len(BACKOFF_S)) - 1]
                     if self.closed:  # the run is waiting for this: try often while it does
                         pause = min(pause, CLOSING_PAUSE_S)
-                    _logger().warning(
+                    run_logger(log).warning(
                         "%s: chat did not take %r (%s); try %d in %g s",
                         self.incident_id,
                         item.describe(),
@@ -192,7 +182,7 @@ class _Outbox:
     def _settle(self, item: _Outgoing, why: str) -> None:
         """A message given up: recorded as a failed step and logged."""
         self.failed += 1
-        _logger().error("%s: message %r not delivered: %s", self.incident_id, item.describe(), why)
+        run_logger(log).error("%s: message %r not delivered: %s", self.incident_id, item.describe(), why)
         self._record(item, StepStatus.FAILED, why)
 
     def _record(self, item: _Outgoing, status: str, why: str = "") -> None:
@@ -210,7 +200,7 @@ class _Outbox:
                 self.incident_id, item.stage, item.started or utcnow(), status, summary, detail
             )
         except Exception:  # the store is down too: the log line above is what is left
-            _logger().exception("%s: the %s step could not be recorded", self.incident_id, item.stage)
+            run_logger(log).exception("%s: the %s step could not be recorded", self.incident_id, item.stage)
         finally:
             item.settled.set()
 
@@ -274,7 +264,7 @@ class IncidentThread:
         timeout = FLUSH_S if timeout is None else timeout
         left = await asyncio.to_thread(self._outbox.close, timeout)
         if left:
-            _logger().error(
+            run_logger(log).error(
                 "%s: %d message(s) not delivered by the end of the run: %s",
                 self.incident_id,
                 len(left),

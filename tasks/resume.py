@@ -210,6 +210,7 @@ def _job(rt: Runtime, job: str) -> JobInfo:
 
 @task(
     name="resume job",
+    task_run_name="resume job {job}",
     retries=1,
     retry_delay_seconds=2,
     retry_condition_fn=transient_only,
@@ -217,7 +218,7 @@ def _job(rt: Runtime, job: str) -> JobInfo:
 )
 def resume_job(incident_id: str, job: str, exclude: list[str], wait_s: float = 900) -> ResumeOutcome:
     rt = current()
-    with stage(rt.store, incident_id, "resume job") as log:
+    with stage(rt.store, incident_id, "resume job", why=f"moved off {', '.join(exclude)}") as log:
         started = time.monotonic()
         restart = _moved_before(rt, incident_id, job, exclude)
         if restart is None:

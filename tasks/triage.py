@@ -29,7 +29,14 @@ class Triage(BaseModel):
     decision: Decision
 
 
-@task(name="triage", timeout_seconds=60, retries=2, retry_delay_seconds=1, retry_condition_fn=transient_only)
+@task(
+    name="triage",
+    task_run_name="triage {incident_id}",
+    timeout_seconds=60,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient_only,
+)
 def triage(incident_id: str) -> Triage:
     rt = current()
     with stage(rt.store, incident_id, "triage") as log:

@@ -20,11 +20,16 @@ class VerifyOutcome(BaseModel):
 
 
 @task(
-    name="verify", retries=1, retry_delay_seconds=2, retry_condition_fn=transient_only, timeout_seconds=3600
+    name="verify",
+    task_run_name="verify L{level} {node}",
+    retries=1,
+    retry_delay_seconds=2,
+    retry_condition_fn=transient_only,
+    timeout_seconds=3600,
 )
 def verify(incident_id: str, node: str, level: int, ready_timeout_s: float = 1800) -> VerifyOutcome:
     rt = current()
-    with stage(rt.store, incident_id, f"verify L{level}") as log:
+    with stage(rt.store, incident_id, f"verify L{level}", node=node) as log:
         try:
             back = rt.backends.provider.wait_ready(node, ready_timeout_s)
             gone = f"{node} did not come back"

@@ -47,6 +47,10 @@ def test_demo_remediates_hardware_and_leaves_application_faults_alone(
     climbed = store.incident_detail(incidents["gpu-node-2"].id)
     assert climbed is not None
     assert [(d.level, d.result) for d in climbed.diagnostics] == [(1, "pass"), (2, "fail"), (1, "pass")]
+    # Its straggler came from comparing the job's four ranks with one another, not from a rank's say-so.
+    peers = [e for e in climbed.events if e.kind == "straggler"]
+    assert peers and {(e.rank, e.attributes["detector"]) for e in peers} == {(1, "peer")}
+    assert not any(i.node in ("gpu-node-1", "gpu-node-4") for i in incidents.values())  # its peers
     stages = [s.stage for s in climbed.steps if s.stage not in ("notify", "update")]  # the chat's own pace
     climb = ["triage", "diagnose L1", "decide", "diagnose L2", "decide", "approval", "act: replace"]
     assert [s for s in stages if s in climb] == climb, stages

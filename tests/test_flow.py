@@ -285,10 +285,25 @@ def test_run_history_reads_as_an_audit(runtime: Runtime, training: SimFleet) -> 
     assert {"node:gpu-node-1", "job:llm", "owner:alice", "classification:hardware", "action:reboot"} <= set(
         flow_run.tags
     )
-    (artifact,) = artifacts
-    assert artifact.key == outcome.incident and artifact.type == "markdown"
+    by_key = {a.key: a for a in artifacts}
+    assert set(by_key) == {outcome.incident, f"{outcome.incident}-record"}
+    audit = by_key[outcome.incident].data
     for heading in ("## Evidence", "## Decisions", "## Actions", "## Stages", "xid-fallen-off-bus"):
-        assert heading in artifact.data
+        assert heading in audit
+    # Each decision once (triage's first answer, confirmed by `decide`), the actions as carried out.
+    assert audit.count("**reboot** (hardware) by rule `xid-fallen-off-bus`") == 1
+    actions = audit.split("## Actions")[1].split("##")[0]
+    assert [line.split(" on ")[0] for line in actions.strip().splitlines()] == [
+        "- drain",
+        "- reboot",
+        "- resume",
+    ]
+    # The link to the incident's record: its run's page in the UI, and the command that prints it.
+    link = by_key[f"{outcome.incident}-record"]
+    assert (
+        f"/runs/flow-run/{flow_run.id}" in link.data
+        and f"medic incident {outcome.incident}" in link.description
+    )
 
 
 def test_medic_events_reach_prefects_feed(runtime: Runtime, training: SimFleet) -> None:

@@ -74,7 +74,7 @@ def test_ingest_against_prefect_server_on_postgres(
             runs = await client.read_task_runs(
                 flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(incident.flow_run_id)]))
             )
-            return sorted(r.name.rsplit("-", 1)[0] for r in runs)
+            return sorted(r.name for r in runs)
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -82,4 +82,13 @@ def test_ingest_against_prefect_server_on_postgres(
         names = asyncio.run(task_runs())
     # No job ran on the node, so there is no "resume job" stage; chat messages are no task runs
     # (tasks/notify.py's worker sends them beside the stages).
-    assert names == sorted(["triage", "decide", "act", "verify", "close"])
+    # Each named for what it did.
+    assert names == sorted(
+        [
+            f"triage {incident.id}",
+            f"decide {incident.id}",
+            "act: reset_gpu gpu-node-4",
+            "verify L1 gpu-node-4",
+            f"close {incident.id}: closed",
+        ]
+    )

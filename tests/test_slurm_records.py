@@ -114,21 +114,43 @@ def test_jobs_of_each_generation(gen: int) -> None:
 class FakeCli(SlurmCli):
     """Answers sinfo/scontrol/squeue with fixture documents; records every scontrol change."""
 
-    def __init__(self, docs: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, docs: dict[str, dict[str, Any]], topology: str = "") -> None:
         super().__init__()
         self.docs = docs
+        self.topology = topology  # `scontrol show topology` prints nothing without a topology plugin
         self.changes: list[tuple[str, ...]] = []
 
     def run(self, *args: str) -> str:
         if args[:2] == ("scontrol", "--json"):
             return json.dumps(self.docs["scontrol"])
+        if args == ("scontrol", "show", "topology"):
+            return self.topology
         if args[0] == "scontrol":
             self.changes.append(args)
             return ""
         return json.dumps(self.docs[args[0]])
 
 
-def _cli_2411() -> FakeCli:
+def test_each_node_carries_its_leaf_switch_from_slurms_topology() -> None:
+    """The switch-storm correlation needs every node's leaf: `scontrol show topology` (recorded on
+    Slurm 22.05, tests/fixtures/topology) gives it; read once per TOPOLOGY_TTL_S, not per call."""
+    recorded = (
+        Path(__file__).parent / "fixtures" / "topology" / "scontrol-show-topology-22.05.txt"
+    ).read_text()
+    cli = _cli_2411(recorded)
+    asked = []
+    original = cli.run
+    cli.run = lambda *args: asked.append(args) or original(*args)  # type: ignore[method-assign]
+    scheduler = SlurmScheduler(cli)
+    leaves = {n.name: n.switch for n in scheduler.nodes()}
+    assert leaves == {f"gpu-node-{i}": "leaf1" if i <= 4 else "leaf2" if i <= 7 else "leaf3" if i == 8 else None
+                      for i in range(1, 12)}  # fmt: skip
+    assert scheduler.node("gpu-node-5").switch == "leaf2"
+    assert asked.count(("scontrol", "show", "topology")) == 1
+    assert SlurmScheduler(_cli_2411()).node("gpu-node-5").switch is None  # no topology plugin
+
+
+def _cli_2411(topology: str = "") -> FakeCli:
     sinfo = {
         "sinfo": [],
         "meta": load("v0.0.42-scontrol-show-nodes.json")["meta"],
@@ -140,7 +162,8 @@ def _cli_2411() -> FakeCli:
             "sinfo": sinfo,
             "scontrol": load("v0.0.42-scontrol-show-nodes.json"),
             "squeue": load("v0.0.42-squeue.json"),
-        }
+        },
+        topology,
     )
 
 

@@ -15,6 +15,7 @@ from apps.cli.goodput import goodput
 from apps.cli.incidents import incident, incidents
 from apps.cli.policy import policy_app
 from apps.cli.serve import emit, serve
+from apps.cli.simulate import simulate
 from apps.cli.triage import ingest, schema, triage
 from integrations.registry import BackendError
 from medic.policy import PolicyError
@@ -27,7 +28,20 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 # `medic --help` lists the commands in registration order: keep it.
-for command in (serve, agent, emit, triage, ingest, incidents, incident, demo, doctor, goodput, schema):
+for command in (
+    serve,
+    agent,
+    emit,
+    triage,
+    ingest,
+    incidents,
+    incident,
+    demo,
+    doctor,
+    goodput,
+    simulate,
+    schema,
+):
     app.command()(command)
 app.add_typer(policy_app, name="policy")
 app.add_typer(dcgm_app, name="dcgm")

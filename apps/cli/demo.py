@@ -108,16 +108,28 @@ def build_scenario(now: datetime | None = None) -> Scenario:
         source="dcgm",
         attributes={"error_id": "DCGM_FR_MEMORY_BANDWIDTH"},
     )
-    add(
-        110,
-        "straggler",
-        "gpu-node-2",
-        job="llm-pretrain",
-        rank=4,
-        gpu=2,
-        source="job",
-        attributes={"step_time_ratio": 1.42},
-    )
+    # The job's step timings, one report per rank every 10 steps: rank 1's own work (before its first
+    # collective) takes 42% longer than its peers', which peer comparison names (docs/culprit.md).
+    for window in range(2):
+        first = 12_310 + 10 * window
+        for rank in range(4):
+            compute = 1.2 * (1.42 if rank == 1 else 1.0)
+            add(
+                95 + 18 * window + rank / 10,
+                "health_check",
+                f"gpu-node-{rank + 1}",
+                job="llm-pretrain",
+                rank=rank,
+                gpu=2,
+                source="job",
+                attributes={
+                    "check": "step_timings",
+                    "first_step": first,
+                    "world_size": 4,
+                    "step_times_s": [2.3] * 10,
+                    "compute_s": [round(compute + 0.01 * ((step * (rank + 3)) % 5), 3) for step in range(10)],
+                },
+            )
     # 4. A lone collective timeout on gpu-node-7: a quick DCGM level 1 settles it (passes).
     add(150, "nccl_timeout", "gpu-node-7", job="vision-ft", rank=3, source="job")
     # 5. Every node under leaf-3 times out at once: the switch's trouble, one incident, no node touched.
@@ -132,7 +144,8 @@ def build_scenario(now: datetime | None = None) -> Scenario:
     story = [
         "gpu-node-3: XID 79 (GPU fallen off the bus), the training job's ranks time out and crash",
         "gpu-node-5: NaN loss at iteration 8,215 in vision-ft, then the job crashes",
-        "gpu-node-2: DCGM's health watch flags low memory bandwidth on GPU 2; the job's steps slow down",
+        "gpu-node-2: DCGM's health watch flags low memory bandwidth on GPU 2; comparing the job's ranks"
+        " with their peers names rank 1 there as the straggler",
         "gpu-node-7: a lone NCCL timeout",
         "leaf-3: all four nodes under the switch report NCCL timeouts at once",
         "two malformed lines in the feed",

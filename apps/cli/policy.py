@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from pathlib import Path
@@ -12,11 +13,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from apps.cli._common import EventsArgument, console, err, load_policy_or_exit, report_rejections
+from apps.cli.incidents import _since
+from medic.config import load_settings
 from medic.intake import read_file
 from medic.policy import PolicyError, load_policy
 from medic.policy.explain import describe, trace
 from medic.policy.model import Policy
+from medic.policy.replay import ChangeLimit, Count, ReplayReport
+from medic.policy.replay import replay as replay_history
 from medic.policy.testing import default_tests_path, load_tests, run_tests
+from medic.store import Store
 from medic.triage import replay
 
 policy_app = typer.Typer(help="Check and inspect policy files.", no_args_is_help=True)
@@ -119,3 +125,150 @@ def policy_test(
     console.print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
     if failed:
         raise typer.Exit(1)
+
+
+SHOWN = 50  # changed incidents, nodes and trips listed in the terminal; --json lists every one
+
+
+def _change_limit(value: str | None) -> ChangeLimit | None:
+    try:
+        return ChangeLimit.parse(value) if value is not None else None
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
+@policy_app.command("replay")
+def policy_replay(
+    file: Annotated[Path, typer.Argument(help="The policy to replay the store's incidents with.")],
+    since: Annotated[
+        str | None, typer.Option(help="Incidents opened since: RFC 3339 time or a span (30m, 6h, 30d).")
+    ] = None,
+    store_url: Annotated[
+        str | None, typer.Option("--store", help="Store URL (default: $MEDIC_DATABASE_URL).")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="One JSON document (docs/policy.md#replay).")
+    ] = False,
+    max_changed: Annotated[
+        ChangeLimit | None,
+        typer.Option(
+            parser=_change_limit,
+            metavar="N|P%",
+            help="Exit 1 when more incidents than this change: a count (5) or a share of them (2%).",
+        ),
+    ] = None,
+) -> None:
+    """Decide every recorded incident again with FILE, on the facts recorded at the time, and show
+    what would differ. Exit 1 over --max-changed, 2 for an invalid policy."""
+    loaded = load_policy_or_exit(file)
+    started = _since(since)
+    store = Store(store_url or load_settings().database_url)
+    # Weeks of decisions and events are read and compared in one go, allocating millions of objects
+    # that live until the end and hold no cycles: the collector would walk them again and again
+    # (a third of the replay's time) and could free nothing.
+    gc.disable()
+    try:
+        history = store.replay_history(since=started, lookback=loaded.policy.lookback())
+        report = replay_history(history, loaded, started)
+    finally:
+        gc.enable()
+        store.close()
+    exceeded = [why for why in [max_changed.exceeded_by(report)] if why] if max_changed else []
+    report = report.model_copy(
+        update={
+            "exceeded": exceeded,
+            "changes": [
+                c.model_copy(update={"flow_run_url": _flow_run_url(c.flow_run_id)}) if c.flow_run_id else c
+                for c in report.changes
+            ],
+        }
+    )
+    if as_json:
+        sys.stdout.write(report.model_dump_json(indent=2) + "\n")
+    else:
+        _print_replay(report)
+    if exceeded:
+        raise typer.Exit(1)
+
+
+def _flow_run_url(flow_run_id: str) -> str | None:
+    """The run's page in the Prefect UI, when Prefect knows the UI's address (PREFECT_UI_URL)."""
+    # Imported here: Prefect takes seconds to import, and only a replay with runs to link needs it
+    # (`medic` commands that do not orchestrate must not load it: tests/test_cli_triage.py).
+    from prefect.utilities.urls import url_for
+
+    return url_for("flow-run", obj_id=flow_run_id)
+
+
+def _counts_table(title: str, counts: dict[str, Count]) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in (title.split()[0].lower().rstrip("s"), "before", "after", "change"):
+        table.add_column(column, justify="left" if column in ("action", "rule") else "right")
+    for name, count in counts.items():
+        delta = count.after - count.before
+        table.add_row(name, str(count.before), str(count.after), f"{delta:+d}" if delta else "")
+    return table
+
+
+def _print_replay(report: ReplayReport) -> None:
+    console.print(
+        f"Replayed {report.incidents} incidents ({report.decisions} decisions) with {escape(report.policy)} "
+        f"(sha256 {report.policy_sha256[:12]}): [bold]{report.changed} changed[/bold] "
+        f"({report.changed_percent:.1f}%)."
+    )
+    if report.rebuilt or report.skipped:
+        console.print(
+            f"{report.rebuilt} decisions had their facts rebuilt from the stored events (recorded before "
+            f"facts were kept); {report.skipped} skipped (their events are no longer in the store)."
+        )
+    if not report.decisions:
+        return
+    console.print(_counts_table("Actions (each incident's last decision)", report.actions))
+    console.print(_counts_table("Rules (each incident's last decision)", report.rules))
+    if report.changes:
+        table = Table(
+            title=f"Changed incidents ({min(SHOWN, report.changed)} of {report.changed})",
+            title_justify="left",
+        )
+        for column in ("incident", "node", "before", "after", "record"):
+            table.add_column(column, overflow="fold")
+        for change in report.changes[:SHOWN]:
+            before, after = change.before, change.after
+            table.add_row(
+                escape(change.incident),
+                escape(change.node),
+                f"{' → '.join(change.steps_before)} ({before.rule}{_stopped(before.guardrail)})",
+                f"{' → '.join(change.steps_after)} ({after.rule}{_stopped(after.guardrail)})",
+                escape("\n".join(filter(None, [change.command, change.flow_run_url]))),
+            )
+        console.print(table)
+    if report.nodes:
+        table = Table(title="Nodes taken out of service more or less often", title_justify="left")
+        for column in ("node", "before", "after"):
+            table.add_column(column)
+        for node in report.nodes[:SHOWN]:
+            table.add_row(escape(node.node), str(node.taken_out_before), str(node.taken_out_after))
+        console.print(table)
+    if report.guardrails:
+        table = Table(
+            title=f"Guardrails that would have tripped ({len(report.guardrails)})", title_justify="left"
+        )
+        for column in ("incident", "node", "at", "guardrail", "stopped", "why"):
+            table.add_column(column, overflow="fold")
+        for trip in report.guardrails[:SHOWN]:
+            guardrail = trip.guardrail + ("" if trip.recorded else " [yellow](new)[/yellow]")
+            table.add_row(
+                escape(trip.incident),
+                escape(trip.node),
+                f"{trip.decided_at:%Y-%m-%d %H:%M:%S}",
+                guardrail,
+                trip.blocked_action.value,
+                escape(trip.reason),
+            )
+        console.print(table)
+    for why in report.exceeded:
+        err.print(f"[red]over the limit:[/red] {escape(why)}")
+
+
+def _stopped(guardrail: str | None) -> str:
+    return f", stopped by {guardrail}" if guardrail else ""

@@ -7,13 +7,18 @@ must not pay Prefect's import (tests/test_cli_triage.py checks).
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.markup import escape
+from rich.progress import Progress, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from apps.cli import render
 from apps.cli._common import (
@@ -30,10 +35,11 @@ from medic.config import load_settings
 from medic.errors import PermanentError
 from medic.events import FaultEvent
 from medic.incidents import Incident
-from medic.intake import Intake, read_file
+from medic.intake import Intake
+from medic.intake import read_file as read_all
+from medic.policy.model import Decision
 from medic.store import Store
-from medic.triage import replay, triage_line
-from medic.triage import triage as run_triage
+from medic.triage import EventReader, OutOfOrder, Replayed, read_file, replay, stream, triage_line
 from tasks.runtime import Runtime, configure
 
 
@@ -49,33 +55,78 @@ def triage(
     """Group events into incidents and decide on each, WITHOUT acting."""
     loaded = load_policy_or_exit(policy)
     try:
-        intake = read_file(events)  # a bad line is a rejection; only an unreadable file stops here
+        reader = read_file(events)
     except OSError as error:
         err.print(
             f"[red]error:[/red] cannot read {escape(str(events))}: {escape(error.strerror or str(error))}"
         )
         raise typer.Exit(2) from None
-    report_rejections(intake)
-    results = list(run_triage(intake.events, loaded, fleet_size))
-    if as_json:
-        for incident, decision in results:
-            sys.stdout.write(triage_line(incident, decision).model_dump_json() + "\n")
-        return
+    # Nothing is printed before the whole file is read: a file out of time order is triaged
+    # again in memory, and its output must be the same as if that had been done at once.
+    rows: list[tuple[str | Text, ...]] = []  # the table's, when not --json: a few strings an incident
+    with reader, tempfile.TemporaryFile("w+", encoding="utf-8") as spool:
+
+        def take(result: Replayed) -> None:
+            if as_json:
+                spool.write(triage_line(result.incident, result.decision).model_dump_json() + "\n")
+            else:
+                rows.append(_row(result.incident, result.decision))
+
+        try:
+            read = reader.events(lambda rejection: report_rejections(Intake(rejected=[rejection])))
+            for result in stream(_with_progress(read, reader, events.stat().st_size), loaded, fleet_size):
+                take(result)
+            duplicates = reader.duplicates
+        except OutOfOrder:
+            spool.seek(0)
+            spool.truncate()
+            rows.clear()
+            intake = read_all(events)
+            report_rejections(Intake(rejected=intake.rejected[reader.rejected :]))
+            duplicates = intake.duplicates
+            for result in replay(intake.events, loaded, fleet_size):
+                take(result)
+        report_rejections(Intake(duplicates=duplicates))
+        if as_json:
+            spool.seek(0)
+            shutil.copyfileobj(spool, sys.stdout)
+            return
     table = Table(title=f"Triage with {loaded.path} ({loaded.sha256[:12]})", title_justify="left")
     for column in ("incident", "nodes", "events", "class", "action", "level", "rule", "reason"):
         table.add_column(column, overflow="fold")
-    for incident, decision in results:
-        table.add_row(
-            incident.id,
-            ", ".join(incident.nodes),
-            str(len(incident.events)),
-            decision.classification.value,
-            render.action_text(decision.action.value),
-            str(decision.diagnose_level or ""),
-            decision.rule,
-            decision.reason,
-        )
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
+
+
+def _row(incident: Incident, decision: Decision) -> tuple[str | Text, ...]:
+    return (
+        incident.id,
+        ", ".join(incident.nodes),
+        str(len(incident.events)),
+        decision.classification.value,
+        render.action_text(decision.action.value),
+        str(decision.diagnose_level or ""),
+        decision.rule,
+        decision.reason,
+    )
+
+
+PROGRESS_EVERY = 4096  # events between two updates of the bar: drawing it costs more than an event
+
+
+def _with_progress(events: Iterator[FaultEvent], reader: EventReader, size: int) -> Iterator[FaultEvent]:
+    """`events`, with a progress bar on standard error when that is a terminal."""
+    if not err.is_terminal:
+        yield from events
+        return
+    columns = (*Progress.get_default_columns(), TextColumn("{task.fields[events]:,} events"))
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task("triage", total=size, events=0)
+        for count, event in enumerate(events, start=1):
+            if count % PROGRESS_EVERY == 0:
+                progress.update(task, completed=reader.chars, events=count)
+            yield event
 
 
 def ingest(
@@ -91,7 +142,7 @@ def ingest(
     from flows.dispatch import remediate_all
 
     rt = _runtime(policy)
-    intake = read_file(events)
+    intake = read_all(events)
     if dry_run:
         _dry_run(rt, intake)
         return

@@ -6,6 +6,11 @@
             ...
             hooks.step(step, loss.item(), step_seconds)   # NaN/inf -> nan_loss, slow step -> straggler
 
+With `timings_every=N` the rank reports its step times every N steps instead of judging itself
+(GPU Medic compares it with its peers: docs/culprit.md), and `hooks.collective()`, called as the
+rank enters each collective, tells its own work from its wait for the others and says, on a
+timeout, which collective it was in.
+
 Every event is a GPU Medic fault event (docs/events.md; the model is FaultEvent in medic/events.py),
 one JSON object per line, appended to a file or POSTed to a URL. Reporting never stops training:
 a failed HTTP delivery is logged only.
@@ -18,6 +23,7 @@ validates every kind it writes with the domain model.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import math
@@ -25,6 +31,7 @@ import operator
 import os
 import statistics
 import sys
+import threading
 import time
 import uuid
 from collections import deque
@@ -46,6 +53,7 @@ SOURCE = "job"
 REPORTED_NOTE = "reported to GPU Medic as "  # marks an exception so watch() and the excepthook report it once
 TIMEOUT_WORDS = ("timeout", "timed out")
 MAX_TEXT = 200  # the schema's limit on id, source, node, job and switch
+MAX_TIMINGS_EVERY = 400  # a report's two lists stay within the schema's 1000 attribute items
 
 
 class Kind(StrEnum):
@@ -55,6 +63,22 @@ class Kind(StrEnum):
     STRAGGLER = "straggler"
     JOB_CRASH = "job_crash"
     NCCL_TIMEOUT = "nccl_timeout"
+
+
+class Report(StrEnum):
+    """The kinds a job sends that report how it runs rather than a fault (also EventKind values)."""
+
+    HEALTH_CHECK = "health_check"  # a step-timings report (check: step_timings)
+
+
+def _kind(value: object) -> Kind | Report:
+    return Report(value) if value in Report.__members__.values() else Kind(value)
+
+
+TIMINGS_CHECK = "step_timings"
+STALL_CHECK = "stall"
+FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+HEALTH_CHECK_PHASES = ("prolog", "epilog", "healthcheck")
 
 
 def _text(name: str, value: object, *, required: bool) -> None:
@@ -78,7 +102,7 @@ def _count(name: str, value: object) -> int | None:
     return int(number)
 
 
-def _check_attributes(kind: Kind, attributes: dict[str, Any]) -> None:
+def _check_attributes(kind: Kind | Report, attributes: dict[str, Any]) -> None:
     """The per-kind rules of medic/events.py for the kinds a job emits."""
     if kind is Kind.STRAGGLER:
         ratio = attributes.get("step_time_ratio")
@@ -93,6 +117,10 @@ def _check_attributes(kind: Kind, attributes: dict[str, Any]) -> None:
         code = attributes.get("exit_code")
         if isinstance(code, bool) or not isinstance(code, int):
             raise ValueError(f"attributes.exit_code: must be an integer, not {code!r}")
+    elif kind is Report.HEALTH_CHECK and attributes.get("phase", "healthcheck") not in HEALTH_CHECK_PHASES:
+        raise ValueError(
+            f"attributes.phase: must be one of {HEALTH_CHECK_PHASES}, not {attributes['phase']!r}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +130,7 @@ class Event:
     id: str
     time: datetime
     source: str
-    kind: Kind
+    kind: Kind | Report
     node: str
     gpu: int | None = None
     job: str | None = None
@@ -113,7 +141,7 @@ class Event:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise in place, as the model does
-        set_(self, "kind", Kind(self.kind))
+        set_(self, "kind", _kind(self.kind))
         for name in ("id", "source", "node"):
             _text(name, getattr(self, name), required=True)
         for name in ("job", "switch"):
@@ -206,6 +234,23 @@ def make_sink(sink: Sink | Path | str) -> Sink:
     return sink
 
 
+def flight_recorder_status(pg: str = "0") -> dict[str, Any] | None:
+    """The process group's `pg_status` in PyTorch's flight recorder (the default group is "0"), where
+    the job runs with one and has loaded torch: this library never imports it itself."""
+    if not any(os.environ.get(name, "0") not in ("", "0") for name in FLIGHT_RECORDER_ENV):
+        return None
+    c10d = getattr(getattr(sys.modules.get("torch"), "_C", None), "_distributed_c10d", None)
+    dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
+    if dump is None:
+        return None
+    try:
+        status = json.loads(dump()).get("pg_status", {}).get(pg)
+    except Exception as error:  # a trace we cannot read must not cost the timeout's report
+        log.warning("could not read the flight recorder: %s", error)
+        return None
+    return status if isinstance(status, dict) else None
+
+
 def is_collective_timeout(error: BaseException) -> bool:
     """A gloo/NCCL collective that timed out or lost its peers (torch's DistBackendError)."""
     if any(cls.__name__ == "DistBackendError" for cls in type(error).__mro__):
@@ -228,6 +273,8 @@ class MedicHooks:
         min_step_time_s: float = 0.05,  # below this, timer and scheduler noise swamp any ratio
         straggler_cooldown_s: float = 60.0,  # one report a minute is enough to count "sustained"
         clock: Callable[[], float] = time.monotonic,
+        world_size: int | None = None,
+        timings_every: int | None = None,
     ) -> None:
         # Check the envelope now, not in the middle of reporting a crash.
         probe = Event("-", datetime.now(UTC), SOURCE, Kind.NAN_LOSS, node, gpu=gpu, job=job, rank=rank)
@@ -243,10 +290,20 @@ class MedicHooks:
         self.step_times: deque[float] = deque(maxlen=window)
         self.last_step: int | None = None
         self._last_straggler: float | None = None
+        self.world_size = _count("world_size", world_size)
+        if timings_every is not None and not 1 <= timings_every <= MAX_TIMINGS_EVERY:
+            raise ValueError(f"timings_every: must be 1-{MAX_TIMINGS_EVERY}, not {timings_every!r}")
+        if timings_every is not None and self.world_size is None:
+            raise ValueError("timings_every: needs world_size (peers are compared in steps all of them ran)")
+        self.timings_every = timings_every
+        self.collectives = 0  # entered so far: where this rank is, should one of them time out
+        self._entered_at: float | None = None  # perf_counter at the first collective of this step
+        self._window: list[tuple[int, float, float | None]] = []  # (step, step time, compute time)
+        self._progress_at = time.monotonic()  # the stall watch's one look at the loop: a float a step
 
-    def event(self, kind: Kind | str, iteration: int | None = None, **attributes: Any) -> Event:
+    def event(self, kind: Kind | Report | str, iteration: int | None = None, **attributes: Any) -> Event:
         """Build (and so validate) one event, deliver it and return it."""
-        kind = Kind(kind)
+        kind = _kind(kind)
         event = Event(
             # The job name is cut so that the id stays within the schema's 200 characters.
             id=f"{str(self.job)[:120]}-r{self.rank}-{kind.value}-{uuid.uuid4().hex[:12]}",
@@ -263,14 +320,32 @@ class MedicHooks:
         self.sink.emit(event)
         return event
 
+    def collective(self) -> None:
+        """Call as this rank enters a collective (a DDP comm hook, a wrapper of all_reduce): cheap."""
+        self.collectives += 1
+        if self._entered_at is None:
+            self._entered_at = time.perf_counter()
+
     def step(self, step: int, loss: float, step_time: float) -> list[Event]:
         """Call once per training step with this rank's loss and the step's wall time in seconds."""
         self.last_step = step
+        self._progress_at = time.monotonic()
+        entered_at, self._entered_at = self._entered_at, None
         events: list[Event] = []
         if not math.isfinite(loss):
             events.append(self.event(Kind.NAN_LOSS, iteration=step, loss=str(loss)))
         if not math.isfinite(step_time):
             return events  # no measurement: neither a straggler nor part of the baseline
+        if self.timings_every is not None:
+            # Its own work: from the step's start (now - step_time) to its first collective.
+            compute = None if entered_at is None else max(0.0, entered_at - (time.perf_counter() - step_time))
+            self._window.append((step, step_time, compute))
+            consecutive = self._window[-1][0] - self._window[0][0] == len(self._window) - 1
+            if not consecutive:
+                self._window = self._window[-1:]  # a gap (a skipped report): peers compare by step
+            elif len(self._window) >= self.timings_every:
+                events.append(self._report_timings())
+            return events  # peers judge this rank, not its own history
         median = statistics.median(self.step_times) if len(self.step_times) >= self.min_history else 0.0
         if median >= self.min_step_time_s and median > 0:
             ratio = step_time / median
@@ -290,6 +365,56 @@ class MedicHooks:
         self.step_times.append(step_time)
         return events
 
+    def _report_timings(self) -> Event:
+        window, self._window = self._window, []
+        computes = [c for _, _, c in window]
+        return self.event(
+            Report.HEALTH_CHECK,
+            iteration=window[-1][0],
+            check=TIMINGS_CHECK,
+            first_step=window[0][0],
+            world_size=self.world_size,
+            step_times_s=[round(t, 6) for _, t, _ in window],
+            compute_s=None if None in computes else [round(c or 0.0, 6) for c in computes],
+        )
+
+    def watch_for_stalls(self, after_s: float, directory: Path | str) -> threading.Thread:
+        """Dump every thread's stack (faulthandler) into `directory` once no step has been reported
+        for `after_s`, and report it: a hung rank rarely says anything else. Once per stalled step."""
+        if not (math.isfinite(after_s) and after_s > 0):
+            raise ValueError(f"after_s: must be a finite number > 0, not {after_s!r}")
+        folder = Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        watch = threading.Thread(
+            target=self._watch_stalls, args=(after_s, folder), name="medic-stall-watch", daemon=True
+        )
+        watch.start()
+        return watch
+
+    def _watch_stalls(self, after_s: float, folder: Path) -> None:
+        reported: int | None = None
+        while True:
+            time.sleep(after_s / 4)
+            stalled_s = time.monotonic() - self._progress_at
+            if stalled_s < after_s or self.last_step is None or reported == self.last_step:
+                continue
+            reported = step = self.last_step
+            path = folder / f"{str(self.job)[:120]}-r{self.rank}-step{step}-stacks.txt"
+            try:
+                with path.open("w") as dump:
+                    faulthandler.dump_traceback(dump, all_threads=True)
+                self.event(
+                    Report.HEALTH_CHECK,
+                    iteration=step,
+                    check=STALL_CHECK,
+                    stalled_s=round(stalled_s, 3),
+                    artifact=str(path),
+                    collective_seq=self.collectives or None,
+                    world_size=self.world_size,
+                )
+            except Exception:  # reporting never stops training, a watch thread least of all
+                log.exception("could not report a stall of step %s", step)
+
     def crash(self, exit_code: int) -> Event:
         """Call just before the process exits with a failure code."""
         code = operator.index(exit_code)  # numpy/torch ints too; the schema wants an integer
@@ -301,7 +426,13 @@ class MedicHooks:
             return None
         what = {"error": type(error).__name__, "message": str(error)[:500]}
         if is_collective_timeout(error):
-            event = self.event(Kind.NCCL_TIMEOUT, iteration=self.last_step, **what)
+            # Where this rank was: the culprit of a hang is the rank that never got as far.
+            where = {
+                "collective_seq": self.collectives or None,
+                "world_size": self.world_size,
+                "flight_recorder": flight_recorder_status(),
+            }
+            event = self.event(Kind.NCCL_TIMEOUT, iteration=self.last_step, **what, **where)
         else:
             # 1 is the exit code Python gives an uncaught exception.
             event = self.event(Kind.JOB_CRASH, iteration=self.last_step, exit_code=1, **what)

@@ -16,7 +16,8 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from medic_hooks import MedicHooks
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.storage import WriteResult
@@ -83,10 +85,78 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     faults.add_argument("--nan-at-step", type=int, help="NaN loss at this step (the update is skipped)")
     faults.add_argument("--fail-rank", type=int, default=0)
+    peers = parser.add_argument_group("peer comparison and hangs (docs/culprit.md)")
+    peers.add_argument(
+        "--timings-every",
+        type=int,
+        default=int(env("MEDIC_TIMINGS_EVERY", "0")) or None,
+        help="report step timings every N steps for peer comparison (env MEDIC_TIMINGS_EVERY)",
+    )
+    peers.add_argument(
+        "--node-of-rank",
+        default=env("MEDIC_NODE_OF_RANK"),
+        help="comma-separated node name per rank, to stand for several nodes on one host "
+        "(env MEDIC_NODE_OF_RANK; default: the host name)",
+    )
+    peers.add_argument("--collective-timeout-s", type=float, help="the process group's collective timeout")
+    peers.add_argument(
+        "--step-work-s", type=float, default=0.0, help="simulated work per step and rank (seconds)"
+    )
+    peers.add_argument(
+        "--stall-dump-s",
+        type=float,
+        default=float(env("MEDIC_STALL_DUMP_S", "0")) or None,
+        help="dump every thread's stack and report it once no step ended for this long (env MEDIC_STALL_DUMP_S)",
+    )
+    peers.add_argument(
+        "--artifacts",
+        type=Path,
+        default=Path(env("MEDIC_ARTIFACTS", "medic-artifacts")),
+        help="where stack dumps go (env MEDIC_ARTIFACTS)",
+    )
+    slow = parser.add_argument_group("slowdown and hang injection")
+    slow.add_argument(
+        "--slow-rank", type=int, help="this rank's simulated work is --slow-factor times longer"
+    )
+    slow.add_argument(
+        "--slow-all", action="store_true", help="every rank's work is --slow-factor times longer"
+    )
+    slow.add_argument("--slow-factor", type=float, default=1.3)
+    slow.add_argument("--slow-from-step", type=int, default=1)
+    slow.add_argument("--hang-rank", type=int, help="this rank stops before --hang-at-step's collective")
+    slow.add_argument("--hang-at-step", type=int)
     args = parser.parse_args(argv)
     if args.fail_during_save and (args.fail_at_step is None or args.fail_at_step % args.ckpt_every):
         parser.error("--fail-during-save needs a --fail-at-step that is a checkpoint step")
+    if (args.hang_rank is None) != (args.hang_at_step is None):
+        parser.error("--hang-rank and --hang-at-step go together")
     return args
+
+
+def node_name(node_of_rank: str | None, rank: int) -> str:
+    if not node_of_rank:
+        return socket.gethostname()
+    names = node_of_rank.split(",")
+    if len(names) <= rank:
+        raise SystemExit(f"--node-of-rank names {len(names)} ranks; rank {rank} has none")
+    return names[rank]
+
+
+def simulated_work(args: argparse.Namespace, step: int, rank: int) -> float:
+    """Seconds of stand-in work this step: a slow GPU or input pipeline, made to order."""
+    slowed = step >= args.slow_from_step and (args.slow_all or rank == args.slow_rank)
+    return args.step_work_s * (args.slow_factor if slowed else 1.0)
+
+
+def count_collectives(hooks: MedicHooks) -> Callable[[object, dist.GradBucket], Future[torch.Tensor]]:
+    """DDP's own all-reduce, telling the hooks as this rank enters each one."""
+
+    # Unannotated: DDP checks annotations against the real classes, and here they would be strings.
+    def hook(state, bucket):  # type: ignore[no-untyped-def]
+        hooks.collective()
+        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]  # no state: the default group
+
+    return hook
 
 
 def die(hooks: MedicHooks) -> NoReturn:
@@ -172,6 +242,8 @@ def train(args: argparse.Namespace, hooks: MedicHooks, rank: int, world: int, de
     torch.manual_seed(args.seed)
     model = make_model().to(device)
     ddp = DistributedDataParallel(model)
+    if args.timings_every:
+        ddp.register_comm_hook(None, count_collectives(hooks))
     # Adam's moment estimates are state too: resuming them is part of what the checkpoint proves.
     optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
 
@@ -187,6 +259,9 @@ def train(args: argparse.Namespace, hooks: MedicHooks, rank: int, world: int, de
             fault_here = step == args.fail_at_step and rank == args.fail_rank
             if fault_here and not args.fail_during_save:
                 die(hooks)
+            if step == args.hang_at_step and rank == args.hang_rank:
+                time.sleep(24 * 3600)  # hung before the step's collective; the others time out
+            time.sleep(simulated_work(args, step, rank))
             x, y = batch(args.seed, step, args.batch_size, rank, world)
             loss = nn.functional.mse_loss(ddp(x.to(device)), y.to(device))
             if step == args.nan_at_step and rank == args.fail_rank:
@@ -225,19 +300,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device = pick_device(args.device, local_rank, local_world, torch.cuda.device_count())
     torch.use_deterministic_algorithms(True)
+    timeout = {"timeout": timedelta(seconds=args.collective_timeout_s)} if args.collective_timeout_s else {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # Bound to its device up front, NCCL creates its communicator eagerly and warns of no guess.
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **timeout)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **timeout)
     hooks = MedicHooks(
         job=args.job,
-        node=socket.gethostname(),
+        node=node_name(args.node_of_rank, rank),
         rank=rank,
         sink=args.events,
         gpu=local_rank if device.type == "cuda" else None,
+        world_size=world,
+        timings_every=args.timings_every,
     )
+    if args.stall_dump_s:
+        hooks.watch_for_stalls(args.stall_dump_s, args.artifacts)
     with hooks.watch():
         train(args, hooks, rank, world, device)
     # No rank may tear the group down while another is still in its last save: that aborted

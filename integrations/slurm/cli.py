@@ -104,7 +104,10 @@ class SlurmCli:
         return self._json("scontrol", "--json", "show", "nodes")
 
     def node(self, name: str) -> SlurmNode:
-        return self.node_and_boot(name)[0]
+        for node in self.nodes():
+            if node.name == name:
+                return node
+        raise UnknownSlurmNodeError(name)
 
     def node_and_boot(self, name: str) -> tuple[SlurmNode, int | None]:
         """The node and its BootTime (epoch seconds; None before slurmd ever registered), from one read."""

@@ -12,6 +12,10 @@ change the node. The window is one scontrol round trip.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime
 
 from integrations.slurm.cli import SlurmCli
@@ -26,27 +30,51 @@ from integrations.slurm.errors import (
     UnknownSlurmNodeError,
 )
 from integrations.slurm.records import SlurmJob
+from integrations.slurm.topology import TopologyFormatError
+from integrations.slurm.topology import read as read_topology
 from medic.protocols import JobInfo, JobState, NodeInfo
+from medic.topology import Topology
+
+log = logging.getLogger(__name__)
 
 # What squeue's JSON says of a job that `scontrol requeuehold` put back in the queue held: a hold
 # reason, and this description (a plain `scontrol hold` leaves the description empty).
 HELD_REASONS = frozenset({"JobHeldUser", "JobHeldAdmin"})
 REQUEUED_HELD = "requeued in held state"
 RELEASE_TRIES = 3
+TOPOLOGY_TTL_S = 600.0  # switches change with recabling, not by the minute
 
 
 class SlurmScheduler:
-    def __init__(self, cli: SlurmCli | None = None) -> None:
+    def __init__(self, cli: SlurmCli | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.cli = cli or SlurmCli()
         # Jobs this scheduler requeued held and has not seen released: a later requeue of one finds
         # it pending and releases it. Someone else's hold on a pending job is never released.
         self._holding: set[str] = set()
+        self._clock = clock
+        self._topology = Topology()
+        self._topology_until = 0.0
 
     def nodes(self) -> list[NodeInfo]:
-        return sorted((n.info() for n in self.cli.nodes()), key=lambda n: n.name)
+        leaves = self._leaves()
+        return sorted(
+            (replace(n.info(), switch=leaves.switch_of(n.name)) for n in self.cli.nodes()),
+            key=lambda n: n.name,
+        )
 
     def node(self, name: str) -> NodeInfo:
-        return self.cli.node(name).info()
+        return replace(self.cli.node(name).info(), switch=self._leaves().switch_of(name))
+
+    def _leaves(self) -> Topology:
+        """Each node's leaf switch from `scontrol show topology` (topology/tree), read at most every
+        TOPOLOGY_TTL_S; none without a topology plugin (scontrol then prints nothing on stdout)."""
+        if self._clock() >= self._topology_until:
+            self._topology_until = self._clock() + TOPOLOGY_TTL_S
+            try:
+                self._topology = read_topology(self.cli)
+            except (SlurmError, TopologyFormatError) as error:  # the last one read will do
+                log.warning("cannot read Slurm's topology: %s", error)
+        return self._topology
 
     def booted_at(self, name: str) -> datetime | None:
         """slurmd's BootTime: the witness that settles a cloud provider's reboot lost in a crash."""

@@ -7,6 +7,10 @@ rule written first.
 
 A `diagnose` rule is satisfied once its level has run for the incident: it stops matching,
 so the next decision is made on the diagnostic result instead of asking for the same test.
+
+Each condition has two forms: a check that says why it holds (`CHECKS`, the semantics, used for
+the winner's reasons and by `medic policy explain`) and a yes/no test compiled from it once per
+policy (`_test`), which `decide` runs. tests/test_engine_compiled.py holds them to the same answer.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from medic import xid as xid_catalog
 from medic.events import EventKind, FaultEvent
@@ -282,36 +286,121 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("count", _count),
 )
 
-Test = Callable[[When, Facts], bool]
+FactTest = Callable[[Facts], bool]
 
-# Cheap yes/no forms of the set and number checks: `decide` tests every candidate rule with
-# these and builds the reason strings for the winner only (most of the engine's time otherwise).
-_TESTS: dict[str, Test] = {
-    "kinds": lambda w, f: not f.kinds.isdisjoint(w.kinds or ()),
-    "not_kinds": lambda w, f: f.kinds.isdisjoint(w.not_kinds or ()),
-    "xid": lambda w, f: not f.xid_codes.isdisjoint(w.xid or ()),
-    "xid_resolution": lambda w, f: not f.xid_resolutions.isdisjoint(w.xid_resolution or ()),
-    "xid_recovery_action": lambda w, f: not f.recovery_actions.isdisjoint(w.xid_recovery_action or ()),
-    "sxid": lambda w, f: not f.sxid_severities.isdisjoint(w.sxid or ()),
-    "row_remap": lambda w, f: not f.row_remap.isdisjoint(w.row_remap or ()),
-    "dcgm_errors": lambda w, f: not f.dcgm_errors.isdisjoint(w.dcgm_errors or ()),
-    "dcgm_severity": lambda w, f: not f.dcgm_severities.isdisjoint(w.dcgm_severity or ()),
-    "dcgm_category": lambda w, f: not f.dcgm_categories.isdisjoint(w.dcgm_category or ()),
-    "ecc_dbe_at_least": lambda w, f: f.ecc_dbe >= (w.ecc_dbe_at_least or 0),
-    "out_of_service": lambda w, f: f.out_of_service == w.out_of_service,
-    "recent_remediations_at_least": lambda w, f: (
-        f.recent_remediations >= (w.recent_remediations_at_least or 0)
-    ),
-    "min_events": lambda w, f: f.event_count >= (w.min_events or 0),
-}
+# Conditions that read only the incident's kinds and XID codes (its shape): a rule failing one
+# of them is dropped once per shape, not tested per decision.
+SHAPE_CONDITIONS = frozenset({"kinds", "not_kinds", "xid", "xid_resolution"})
 
 
-def _test_of(name: str, check: Check) -> Test:
-    return _TESTS.get(name) or (lambda w, f: check(w, f) is not None)
+def _test(name: str, when: When, check: Check) -> FactTest:
+    """The yes/no form of one condition, its parameters read once: `decide` tests every candidate
+    rule with these and builds the reason strings for the winner only."""
+    match name:
+        case "kinds":
+            kinds = frozenset(when.kinds or ())
+            return lambda f: not f.kinds.isdisjoint(kinds)
+        case "not_kinds":
+            absent = frozenset(when.not_kinds or ())
+            return lambda f: f.kinds.isdisjoint(absent)
+        case "xid":
+            codes = frozenset(when.xid or ())
+            return lambda f: not f.xid_codes.isdisjoint(codes)
+        case "xid_resolution":
+            buckets = frozenset(when.xid_resolution or ())
+            return lambda f: not f.xid_resolutions.isdisjoint(buckets)
+        case "xid_recovery_action":
+            actions = frozenset(when.xid_recovery_action or ())
+            return lambda f: not f.recovery_actions.isdisjoint(actions)
+        case "sxid":
+            severities = frozenset(when.sxid or ())
+            return lambda f: not f.sxid_severities.isdisjoint(severities)
+        case "row_remap":
+            states = frozenset(when.row_remap or ())
+            return lambda f: not f.row_remap.isdisjoint(states)
+        case "dcgm_errors":
+            errors = frozenset(when.dcgm_errors or ())
+            return lambda f: not f.dcgm_errors.isdisjoint(errors)
+        case "dcgm_severity":
+            dcgm_severities = frozenset(when.dcgm_severity or ())
+            return lambda f: not f.dcgm_severities.isdisjoint(dcgm_severities)
+        case "dcgm_category":
+            categories = frozenset(when.dcgm_category or ())
+            return lambda f: not f.dcgm_categories.isdisjoint(categories)
+        case "nvlink_errors_at_least":
+            rises = max(when.nvlink_errors_at_least or 0, 1)
+            return lambda f: f.nvlink_errors >= rises
+        case "ecc_dbe_at_least":
+            dbe = when.ecc_dbe_at_least or 0
+            return lambda f: f.ecc_dbe >= dbe
+        case "straggler":
+            assert when.straggler is not None
+            reports, ratio = when.straggler.reports_at_least, when.straggler.ratio_at_least
+            return lambda f: f.straggler_reports >= reports and f.straggler_max_ratio >= ratio
+        case "out_of_service":
+            out = when.out_of_service
+            return lambda f: f.out_of_service == out
+        case "recent_remediations_at_least":
+            least = when.recent_remediations_at_least or 0
+            return lambda f: f.recent_remediations >= least
+        case "recent_remediations_at_most":
+            most = when.recent_remediations_at_most or 0
+            return lambda f: f.recent_remediations <= most
+        case "min_events":
+            events = when.min_events or 0
+            return lambda f: f.event_count >= events
+        case "count":
+            return _count_test(when)
+    return lambda f: check(when, f) is not None
+
+
+# Before any time: with `now`, a span that holds every window a decision at `now` can look at.
+_DAWN = datetime.min.replace(tzinfo=UTC)
+
+
+def _count_test(when: When) -> FactTest:
+    """`count`, tested cheaply first: the incident's events and the context's of the signature's
+    kinds up to `now` must be enough at all (no event looked at one by one); then each signature
+    must be on one of the incident's events, and its kinds have enough events in the window,
+    before the careful count runs."""
+    quick = []
+    for cond in when.count or ():
+        codes, kinds = frozenset(cond.xid or ()), frozenset(cond.kinds or ())
+        quick.append(
+            (codes, kinds, cond.event_kinds(), timedelta(minutes=cond.within_minutes), cond.at_least)
+        )
+
+    def test(f: Facts) -> bool:
+        end = None
+        for codes, kinds, event_kinds, within, at_least in quick:
+            if f.event_count + f.context.count(event_kinds, _DAWN, f.now) < at_least:
+                return False
+            anchors = sum(
+                1
+                for e in f.events
+                if (e.attributes["code"] in codes if codes and e.kind is EventKind.XID else e.kind in kinds)
+            )
+            if not anchors:
+                return False
+            end = end or _window_end(f)
+            if anchors + f.context.count(event_kinds, end - within, end) < at_least:
+                return False
+        return _count(when, f) is not None
+
+    return test
+
+
+def _all(tests: tuple[FactTest, ...]) -> FactTest | None:
+    """One test for a rule's per-decision conditions (None: nothing left to test)."""
+    if not tests:
+        return None
+    if len(tests) == 1:
+        return tests[0]
+    return lambda f: all(test(f) for test in tests)
 
 
 # Each condition only holds when the incident has events of these kinds: a rule whose
-# requirements the incident cannot meet is skipped without evaluating anything.
+# requirements the incident cannot meet is dropped without evaluating anything.
 _NEEDS: dict[str, frozenset[EventKind]] = {
     "xid": frozenset({EventKind.XID}),
     "xid_resolution": frozenset({EventKind.XID}),
@@ -333,12 +422,17 @@ class CompiledRule:
     index: int
     needs: tuple[frozenset[EventKind], ...]
     checks: tuple[tuple[str, Check], ...]
-    tests: tuple[Test, ...]  # the same conditions, yes/no only
+    shape_tests: tuple[FactTest, ...]  # the needs and the conditions on the incident's shape
+    test: FactTest | None  # every other condition, yes/no only
     precedence: tuple[bool, int, int, int]
 
-    def holds(self, facts: Facts) -> bool:
-        when = self.rule.when
-        return all(test(when, facts) for test in self.tests)
+    def fits(self, facts: Facts) -> bool:
+        """Whether the conditions on the incident's shape hold (the same for every incident of it)."""
+        return all(test(facts) for test in self.shape_tests)
+
+
+def _needs_test(need: frozenset[EventKind]) -> FactTest:
+    return lambda f: not f.kinds.isdisjoint(need)
 
 
 def _compile_rule(rule: Rule, index: int) -> CompiledRule:
@@ -350,57 +444,38 @@ def _compile_rule(rule: Rule, index: int) -> CompiledRule:
     needs.extend(frozenset(c.event_kinds()) for c in when.count or ())
     if when.switch:
         needs.append(frozenset(when.switch.kinds))
+    shape = [_needs_test(need) for need in dict.fromkeys(needs)]
+    shape += [_test(name, when, check) for name, check in checks if name in SHAPE_CONDITIONS]
+    rest = tuple(_test(name, when, check) for name, check in checks if name not in SHAPE_CONDITIONS)
     precedence = (rule.override, ACTION_RANK[rule.then.action], rule.priority, -index)
-    tests = tuple(_test_of(name, check) for name, check in checks)
-    return CompiledRule(rule, index, tuple(needs), checks, tests, precedence)
+    return CompiledRule(rule, index, tuple(needs), checks, tuple(shape), _all(rest), precedence)
+
+
+# The incident's shape: what the shape conditions read.
+Shape = tuple[frozenset[EventKind], frozenset[int], frozenset[str]]
+MAX_SHAPES = 4096  # incidents come in few shapes; a flood of odd ones must not grow the cache
 
 
 @dataclass(frozen=True, slots=True)
 class CompiledPolicy:
-    rules: tuple[CompiledRule, ...]
-    # A rule can only match an incident that has one of the kinds of its first need; index
-    # rules by those kinds so an incident looks at a handful of rules, not all of them.
-    by_kind: dict[EventKind, tuple[CompiledRule, ...]]
-    by_xid: dict[int, tuple[CompiledRule, ...]]  # rules with an `xid` condition, by code
-    always: tuple[CompiledRule, ...]  # rules with no kind requirement
-
-    # Incidents come in few shapes (kinds, XID codes): remember each shape's candidate list.
-    seen: dict[tuple[frozenset[EventKind], frozenset[int]], tuple[CompiledRule, ...]] = field(
-        default_factory=dict
-    )
+    rules: tuple[CompiledRule, ...]  # in file order
+    ranked: tuple[CompiledRule, ...]  # the same, the rule that wins first
+    # Each shape's candidates, ranked: the rules whose shape conditions hold for it.
+    seen: dict[Shape, tuple[CompiledRule, ...]] = field(default_factory=dict)
 
     def candidates(self, facts: Facts) -> tuple[CompiledRule, ...]:
-        shape = (facts.kinds, facts.xid_codes)
+        shape = (facts.kinds, facts.xid_codes, facts.xid_resolutions)
         hit = self.seen.get(shape)
-        if hit is not None:
-            return hit
-        found = {r.index: r for kind in facts.kinds for r in self.by_kind.get(kind, ())}
-        for code in facts.xid_codes:
-            found.update((r.index, r) for r in self.by_xid.get(code, ()))
-        found.update((r.index, r) for r in self.always)
-        result = tuple(found[i] for i in sorted(found))
-        if len(self.seen) < 4096:
-            self.seen[shape] = result
-        return result
+        if hit is None:
+            hit = tuple(rule for rule in self.ranked if rule.fits(facts))
+            if len(self.seen) < MAX_SHAPES:
+                self.seen[shape] = hit
+        return hit
 
 
 def _compile_policy(policy: Policy) -> CompiledPolicy:
     rules = tuple(_compile_rule(rule, i) for i, rule in enumerate(policy.rules))
-    by_kind: dict[EventKind, list[CompiledRule]] = {}
-    by_xid: dict[int, list[CompiledRule]] = {}
-    for rule in rules:
-        if rule.rule.when.xid:
-            for code in rule.rule.when.xid:
-                by_xid.setdefault(code, []).append(rule)
-            continue
-        for kind in rule.needs[0] if rule.needs else ():
-            by_kind.setdefault(kind, []).append(rule)
-    return CompiledPolicy(
-        rules,
-        {k: tuple(v) for k, v in by_kind.items()},
-        {k: tuple(v) for k, v in by_xid.items()},
-        tuple(r for r in rules if not r.needs),
-    )
+    return CompiledPolicy(rules, tuple(sorted(rules, key=lambda r: r.precedence, reverse=True)))
 
 
 _compiled: OrderedDict[int, tuple[Policy, CompiledPolicy]] = OrderedDict()
@@ -410,6 +485,8 @@ def compiled(policy: Policy) -> CompiledPolicy:
     """The policy compiled once (a few recently used policies are kept)."""
     key = id(policy)
     hit = _compiled.get(key)
+    if hit is not None and hit[0] is policy and next(reversed(_compiled)) == key:
+        return hit[1]  # the one used last: most calls, no reordering
     if hit is not None and hit[0] is policy:
         _compiled.move_to_end(key)
         return hit[1]
@@ -450,12 +527,14 @@ def diagnose_level(rule: Rule, facts: Facts) -> int | None:
 
 
 def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
-    candidates: list[tuple[tuple[bool, int, int, int], CompiledRule, int | None]] = []
-    kinds = facts.kinds
+    """The decision on one incident: the winning rule's, or the policy's default when none matches.
+
+    Every matching rule is recorded (`matched`, winner first); only the winner's reasons are built.
+    """
+    matched: list[tuple[CompiledRule, int | None]] = []
     for compiled_rule in compiled(policy).candidates(facts):
-        if len(compiled_rule.needs) > 1 and any(kinds.isdisjoint(need) for need in compiled_rule.needs):
-            continue
-        if not compiled_rule.holds(facts):
+        test = compiled_rule.test
+        if test is not None and not test(facts):
             continue
         rule = compiled_rule.rule
         level = None
@@ -463,9 +542,9 @@ def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
             level = diagnose_level(rule, facts)
             if level is None:
                 continue
-        candidates.append((compiled_rule.precedence, compiled_rule, level))
+        matched.append((compiled_rule, level))
 
-    if not candidates:
+    if not matched:
         return Decision(
             incident=facts.incident,
             classification=policy.defaults.classification,
@@ -475,8 +554,7 @@ def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
             policy_sha256=policy_sha256,
         )
 
-    candidates.sort(key=lambda c: c[0], reverse=True)
-    _, winner, level = candidates[0]
+    winner, level = matched[0]
     reasons = evaluate(winner, facts)[0] or []
     rule, then = winner.rule, winner.rule.then
     action, reason = then.action, f"{rule.description}: {'; '.join(reasons)}"
@@ -493,6 +571,6 @@ def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
         recommend=list(then.recommend),
         owner=then.owner,
         approve=then.approve or action in policy.approvals.required_for,
-        matched=[c[1].rule.id for c in candidates],
+        matched=[c.rule.id for c, _ in matched],
         policy_sha256=policy_sha256,
     )

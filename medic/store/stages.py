@@ -43,7 +43,10 @@ class StagesMixin(StoreBase):
             s.commit()
         return row
 
-    def add_decision(self, decision: Decision, policy_path: str) -> DecisionRecord:
+    def add_decision(
+        self, decision: Decision, policy_path: str, facts: dict[str, Any] | None = None
+    ) -> DecisionRecord:
+        """Record a decision with the facts it was made on (medic.policy.replay.record_facts)."""
         row = DecisionRecord(
             incident_id=decision.incident,
             decided_at=utcnow(),
@@ -58,6 +61,7 @@ class StagesMixin(StoreBase):
             recommend=decision.recommend,
             guardrail=decision.guardrail,
             blocked_action=decision.blocked_action.value if decision.blocked_action else None,
+            facts=facts,
         )
         with self.session() as s:
             s.add(row)

@@ -14,10 +14,12 @@ from medic.store.goodput import GoodputMixin
 from medic.store.incidents import IncidentsMixin
 from medic.store.metrics import MetricsMixin
 from medic.store.rejections import RejectionsMixin
+from medic.store.replay import ReplayMixin
 from medic.store.stages import StagesMixin
 
 
 class Store(
+    ReplayMixin,  # before EventsMixin, which it builds on
     EventsMixin,
     RejectionsMixin,
     IncidentsMixin,

@@ -1,0 +1,67 @@
+"""Differential diagnosis at intake: find the culprit, not the victim (docs/culprit.md).
+
+Between validation and correlation, events pass through here:
+- step-timings reports feed the peer detector (medic/peers.py) and go no further: telemetry is
+  no fault, and a report per rank per window must not open an incident per node;
+- collective timeouts that say where their rank was are held for the hang attributor
+  (medic/hangs.py) and come out as their culprit's event, or as they came when no rank stands out;
+  a rank's own stall report is kept as evidence for it (its stack dump, where it stopped);
+- every event, derived ones too, gets its node's leaf switch from the topology where it names none.
+
+Pure and deterministic: the same events give the same events out, with the same ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+
+from medic.events import FaultEvent
+from medic.hangs import SETTLE, HangAttributor
+from medic.peers import Member, PeerDetector, Thresholds, timings_of
+from medic.topology import Topology
+
+
+class Differential:
+    def __init__(
+        self,
+        topology: Topology | None = None,
+        thresholds: Thresholds | None = None,
+        settle: timedelta = SETTLE,
+    ) -> None:
+        self.topology = topology or Topology()
+        self.peers = PeerDetector(thresholds)
+        # Ranks' places, from any event that names job and rank: what names a culprit that never reported.
+        self.members: dict[tuple[str, int], Member] = self.peers.members
+        self.hangs = HangAttributor(self.members, settle)
+
+    def push(self, event: FaultEvent) -> list[FaultEvent]:
+        """The events to correlate now that `event` came (time order is the caller's)."""
+        event = self.topology.place(event)
+        out = self.hangs.due(event.time)
+        if event.job is not None and event.rank is not None:
+            self.members[event.job, event.rank] = Member(event.node, event.gpu, event.switch)
+        if timings_of(event) is not None:
+            out += self.peers.push(event)
+        elif self.hangs.is_stall(event):
+            self.hangs.stalled(event)
+        elif self.hangs.takes(event):
+            self.hangs.push(event)
+        else:
+            out.append(event)
+        return [self.topology.place(e) for e in out]
+
+    def due(self, now: datetime) -> list[FaultEvent]:
+        """Held timeouts whose settling time has passed by `now` (a live service's timer)."""
+        return [self.topology.place(e) for e in self.hangs.due(now)]
+
+    def flush(self) -> list[FaultEvent]:
+        """Everything still held: the end of a file."""
+        return [self.topology.place(e) for e in self.hangs.flush()]
+
+
+def differential(events: Iterable[FaultEvent], topology: Topology | None = None) -> list[FaultEvent]:
+    """A finite input through the differential, in the order given: an input without step timings or
+    timeout positions comes out as it went in."""
+    diff = Differential(topology)
+    return [found for event in events for found in diff.push(event)] + diff.flush()

@@ -1,0 +1,20 @@
+"""`medic simulate`: a discrete-event model of a training fleet, remediated by a real policy.
+
+Pure: parameters, a policy and a seed in, a report out (docs/simulate.md). `params` holds what
+the fleet is and how long things take, `failures` what fails and what fixes it, `decisions`
+the policy engine deciding simulated incidents, `loop` the event loop, `report` what it cost.
+"""
+
+from medic.fleetsim.loop import mtbf_by_size, simulate
+from medic.fleetsim.params import SimParams, fast_checkpointer, meta_like_recovery
+from medic.fleetsim.report import BADPUT, Report
+
+__all__ = [
+    "BADPUT",
+    "Report",
+    "SimParams",
+    "fast_checkpointer",
+    "meta_like_recovery",
+    "mtbf_by_size",
+    "simulate",
+]

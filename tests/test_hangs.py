@@ -1,0 +1,365 @@
+"""Hang attribution (medic/hangs.py): the rank that never entered the collective, not the reporters."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import torch._C._distributed_c10d as c10d
+from factories import T0, fault_event
+from torchrun_support import TRAINING_DIR
+
+from flows.live import LiveDispatcher
+from integrations.registry import Backends
+from medic.config import REPO_ROOT
+from medic.culprit import Differential, differential
+from medic.events import EventKind, FaultEvent
+from medic.hangs import attribute, flight_recorder_position
+from medic.peers import TIMINGS_CHECK
+from medic.store import Store
+from tasks.runtime import Runtime, configure
+
+JOB, WORLD = "llm", 4
+NODE_OF = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
+
+
+def seen(rank: int) -> FaultEvent:
+    """An earlier report of the rank: how the job's ranks and their nodes are known."""
+    attributes = {"check": TIMINGS_CHECK, "first_step": 1, "world_size": WORLD, "step_times_s": [1.0]}
+    return fault_event("health_check", job=JOB, rank=rank, node=NODE_OF[rank], attributes=attributes)
+
+
+def timeout(rank: int, seq: int | None, seconds: float = 60, **attributes: object) -> FaultEvent:
+    if seq is not None:
+        attributes["collective_seq"] = seq
+    return fault_event(
+        "nccl_timeout",
+        job=JOB,
+        rank=rank,
+        node=NODE_OF[rank],
+        seconds=seconds,
+        iteration=11,
+        attributes={"world_size": WORLD, **attributes},
+    )
+
+
+def members() -> list[FaultEvent]:
+    return [seen(rank) for rank in range(WORLD)]
+
+
+def test_the_silent_rank_is_the_culprit_and_the_reporters_its_victims() -> None:
+    reporters = [timeout(rank, 12, seconds=60 + rank) for rank in (0, 1, 2)]
+    [culprit] = differential([*members(), *reporters])
+    assert (culprit.kind, culprit.node, culprit.rank, culprit.source) == (
+        EventKind.NCCL_TIMEOUT,
+        "node-b",
+        3,
+        "medic",
+    )
+    attributes = culprit.attributes
+    assert (attributes["detector"], attributes["evidence"]) == ("hang", "absent")
+    assert attributes["peers_collective_seq"] == 12 and "collective_seq" not in attributes  # it never said
+    assert [v["rank"] for v in attributes["victims"]] == [0, 1, 2]
+    assert [v["event"] for v in attributes["victims"]] == [e.id for e in reporters]
+    assert attributes["confidence"] == 0.6  # 0.8 x 3 of 4 ranks reported
+    assert culprit.iteration == 11 and culprit.time == reporters[-1].time
+
+
+def test_a_rank_behind_the_others_is_the_culprit_even_when_it_reported() -> None:
+    reports = [timeout(0, 12), timeout(1, 12), timeout(2, 12), timeout(3, 11)]
+    [culprit] = differential([*members(), *reports])
+    assert (culprit.rank, culprit.attributes["evidence"], culprit.attributes["collective_seq"]) == (
+        3,
+        "behind",
+        11,
+    )
+    assert culprit.attributes["confidence"] == 0.75
+    assert culprit.attributes["victim_count"] == 3
+
+
+def test_everyone_stuck_at_the_same_collective_is_no_one_rank_s_fault() -> None:
+    reports = [timeout(rank, 12) for rank in range(WORLD)]
+    assert differential([*members(), *reports]) == [*reports]
+
+
+def test_too_many_silent_ranks_single_out_nobody() -> None:
+    reports = [timeout(0, 12), timeout(1, 12)]
+    assert differential([*members(), *reports]) == reports
+
+
+def test_a_culprit_never_seen_before_cannot_be_placed() -> None:
+    reports = [timeout(rank, 12) for rank in (0, 1, 2)]
+    assert differential([seen(0), seen(1), seen(2), *reports]) == reports
+
+
+def test_timeouts_that_do_not_say_where_they_were_pass_unheld() -> None:
+    plain = [timeout(rank, None) for rank in (0, 1, 2)]
+    assert differential([*members(), *plain]) == plain
+
+
+def test_reports_are_held_until_they_settle_then_released_by_later_events() -> None:
+    diff = Differential(settle=timedelta(seconds=30))
+    for event in members():
+        assert diff.push(event) == []
+    assert diff.push(timeout(0, 12, seconds=60)) == []
+    assert diff.push(timeout(1, 12, seconds=61)) == []
+    assert diff.push(timeout(2, 12, seconds=62)) == []
+    assert diff.due(T0 + timedelta(seconds=89)) == []
+    later = fault_event("xid", node="node-c", seconds=95)
+    [culprit, xid] = diff.push(later)
+    assert (culprit.rank, xid) == (3, later)
+    assert diff.flush() == []
+
+
+def test_the_flight_recorder_s_position_wins_over_the_hook_s_count() -> None:
+    # The hooks counted the same collectives everywhere; rank 2's GPU never started the 40th.
+    def recorded(rank: int) -> dict[str, str]:
+        started = "39" if rank == 2 else "40"
+        return {"last_enqueued_collective": "40", "last_started_collective": started}
+
+    reports = [timeout(rank, 12, flight_recorder=recorded(rank)) for rank in range(WORLD)]
+    [culprit] = differential([*members(), *reports])
+    assert (culprit.rank, culprit.attributes["collective_seq"]) == (2, 39)
+
+
+def test_numberings_are_never_mixed() -> None:
+    # Victims with the flight recorder's count (all collectives), a silent rank's stall report with
+    # the hooks' (only those the loop reported): the hooks' count is compared, in one numbering.
+    fr = {"last_enqueued_collective": "57"}
+    reports = [timeout(rank, 12, flight_recorder=fr) for rank in (0, 1, 2)]
+    [culprit] = differential([*members(), stall(3, 11), *reports])
+    assert (culprit.attributes["collective_seq"], culprit.attributes["peers_collective_seq"]) == (11, 12)
+
+
+def stall(rank: int, seq: int, seconds: float = 55) -> FaultEvent:
+    return fault_event(
+        "health_check",
+        job=JOB,
+        rank=rank,
+        node=NODE_OF[rank],
+        seconds=seconds,
+        attributes={"check": "stall", "collective_seq": seq, "artifact": f"/dumps/r{rank}.txt"},
+    )
+
+
+def test_a_silent_rank_s_own_stall_report_places_it_and_brings_its_stacks() -> None:
+    reporters = [timeout(rank, 12) for rank in (0, 1, 2)]
+    [culprit] = differential([*members(), stall(0, 12), stall(3, 11), *reporters])
+    attributes = culprit.attributes
+    assert (culprit.rank, attributes["evidence"], attributes["collective_seq"]) == (3, "behind", 11)
+    assert attributes["artifact"] == "/dumps/r3.txt"
+    assert attributes["confidence"] == 0.75
+
+
+def test_a_stall_long_before_the_timeouts_is_no_evidence() -> None:
+    reporters = [timeout(rank, 12) for rank in (0, 1, 2)]
+    [culprit] = differential([*members(), stall(3, 11, seconds=-3600), *reporters])
+    assert culprit.attributes["evidence"] == "absent" and "artifact" not in culprit.attributes
+
+
+@pytest.mark.parametrize(
+    ("positions", "world", "expected"),
+    [
+        ({0: 5, 1: 5, 2: 4}, 3, [(2, "behind")]),
+        ({0: 5, 1: 4, 2: 4, 3: 5}, 4, [(1, "behind"), (2, "behind")]),
+        ({0: 5, 1: 5, 2: 5}, 4, [(3, "absent")]),
+        ({0: 5, 1: 5}, 4, []),
+        ({}, 4, []),
+    ],
+    ids=["one behind", "two behind", "one absent", "half absent", "no reports"],
+)
+def test_attribute(positions: dict[int, int], world: int, expected: list[tuple[int, str]]) -> None:
+    found = attribute(positions, world, set(range(world)))
+    assert [(c.rank, c.evidence) for c in found] == expected
+
+
+# A gloo flight recorder dump (`torch._C._distributed_c10d._dump_fr_trace_json()`, torch 2.13,
+# TORCH_FR_BUFFER_SIZE=100) of two ranks in one process: the rank of group 0 issued two all-reduces,
+# the rank of group 1 three (the third timed out). Trimmed to the keys read here.
+GLOO_DUMP = {
+    "version": "2.10",
+    "pg_status": {
+        "0": {
+            "last_completed_collective": "2",
+            "last_enqueued_collective": "2",
+            "last_started_collective": "-1",
+        },
+        "1": {
+            "last_completed_collective": "3",
+            "last_enqueued_collective": "3",
+            "last_started_collective": "-1",
+        },
+    },
+    "entries": [
+        {
+            "record_id": 0,
+            "pg_id": 1,
+            "collective_seq_id": 1,
+            "p2p_seq_id": 0,
+            "is_p2p": False,
+            "state": "scheduled",
+        },
+        {
+            "record_id": 1,
+            "pg_id": 0,
+            "collective_seq_id": 1,
+            "p2p_seq_id": 0,
+            "is_p2p": False,
+            "state": "scheduled",
+        },
+        {
+            "record_id": 2,
+            "pg_id": 1,
+            "collective_seq_id": 2,
+            "p2p_seq_id": 0,
+            "is_p2p": False,
+            "state": "scheduled",
+        },
+        {
+            "record_id": 3,
+            "pg_id": 0,
+            "collective_seq_id": 2,
+            "p2p_seq_id": 0,
+            "is_p2p": False,
+            "state": "scheduled",
+        },
+        {
+            "record_id": 4,
+            "pg_id": 1,
+            "collective_seq_id": 3,
+            "p2p_seq_id": 0,
+            "is_p2p": False,
+            "state": "scheduled",
+        },
+    ],
+}
+
+
+def test_flight_recorder_position_reads_pg_status() -> None:
+    zero, one = flight_recorder_position(GLOO_DUMP), flight_recorder_position(GLOO_DUMP, pg="1")
+    assert zero is not None and one is not None
+    assert (zero.position(), one.position()) == (2, 3)  # gloo tracks no start: issued is the position
+    assert zero.last_completed_collective == 2
+
+
+def test_flight_recorder_position_falls_back_to_the_entries() -> None:
+    entries = [
+        *GLOO_DUMP["entries"],  # type: ignore[misc]
+        {"pg_id": 0, "collective_seq_id": 3, "is_p2p": False, "state": "started"},
+        {"pg_id": 0, "collective_seq_id": 9, "is_p2p": True, "state": "completed"},
+    ]
+    position = flight_recorder_position({"entries": entries})
+    assert position is not None
+    assert (position.last_enqueued_collective, position.last_started_collective) == (3, 3)
+    assert position.last_completed_collective == -1 and position.position() == 3
+    assert flight_recorder_position({"entries": "junk"}) is None
+    assert flight_recorder_position({"entries": entries}, pg="7") is None
+
+
+# --- The hooks' side: where a rank was when its collective timed out ----------------------------
+
+sys.path.insert(0, str(TRAINING_DIR))
+from medic_hooks import MedicHooks  # noqa: E402  # a file beside the training job, not a package
+
+
+def test_the_hooks_timeout_says_which_collective_the_rank_was_in(tmp_path: Path) -> None:
+    sink = tmp_path / "events.jsonl"
+    hooks = MedicHooks(job=JOB, node="node-a", rank=0, sink=sink, world_size=WORLD)
+    for step in range(1, 4):
+        hooks.collective()
+        hooks.step(step, 1.0, 0.1)
+    hooks.collective()  # entered step 4's and never came back
+    with pytest.raises(RuntimeError), hooks.watch():
+        raise RuntimeError("Timed out waiting 3000ms for recv operation to complete")
+    [event] = [FaultEvent.model_validate_json(line) for line in sink.read_text().splitlines()]
+    assert event.kind is EventKind.NCCL_TIMEOUT
+    assert (event.attributes["collective_seq"], event.attributes["world_size"], event.iteration) == (
+        4,
+        WORLD,
+        3,
+    )
+
+
+def test_a_stalled_rank_dumps_its_stacks_and_reports_where_it_stopped(tmp_path: Path) -> None:
+    sink = tmp_path / "events.jsonl"
+    hooks = MedicHooks(job=JOB, node="node-b", rank=3, sink=sink, world_size=WORLD)
+    hooks.collective()
+    hooks.step(1, 1.0, 0.1)
+    hooks.watch_for_stalls(0.2, tmp_path / "dumps")
+    deadline = time.monotonic() + 10
+    while not sink.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # this thread is "hung"; the watch sees no step end
+    time.sleep(0.3)  # one report per stalled step, however long it stalls
+    [event] = [FaultEvent.model_validate_json(line) for line in sink.read_text().splitlines()]
+    assert (event.kind, event.attributes["check"], event.iteration) == (EventKind.HEALTH_CHECK, "stall", 1)
+    assert event.attributes["collective_seq"] == 1 and event.attributes["stalled_s"] >= 0.2
+    stacks = Path(event.attributes["artifact"]).read_text()
+    assert "test_a_stalled_rank_dumps_its_stacks" in stacks  # this very frame, where it "hung"
+
+
+def test_a_loop_that_reports_no_collectives_sends_no_position(tmp_path: Path) -> None:
+    sink = tmp_path / "events.jsonl"
+    hooks = MedicHooks(job=JOB, node="node-a", rank=0, sink=sink)
+    event = hooks.report_exception(RuntimeError("timed out"))
+    assert event is not None and "collective_seq" not in event.attributes
+    assert differential([FaultEvent.model_validate_json(event.to_json())])[0].id == event.id
+
+
+# --- The warm path of `medic serve` (flows/live.py) -------------------------------------------------
+
+
+def test_the_live_path_stores_and_hands_on_the_culprit_once_the_reports_settle(
+    sqlite_store: Store, sim_backends: Backends
+) -> None:
+    rt = configure(Runtime(sqlite_store, sim_backends, REPO_ROOT / "policies" / "default.yaml"))
+    dispatcher = LiveDispatcher(rt)
+    dispatcher.differential = Differential(settle=timedelta(seconds=0.5))
+    handed: list[FaultEvent] = []
+
+    async def take(events: list[FaultEvent]) -> None:  # where correlation and flow runs would start
+        handed.extend(events)
+
+    dispatcher._take = take  # type: ignore[method-assign]  # the differential's wiring, not the flows
+    now = datetime.now(UTC)
+    node_of = {rank: f"gpu-node-{rank + 1}" for rank in range(WORLD)}
+    known = [
+        seen(rank).model_copy(update={"node": node_of[rank], "time": now - timedelta(minutes=1)})
+        for rank in range(WORLD)
+    ]
+    reports = [
+        timeout(rank, 12).model_copy(update={"node": node_of[rank], "time": now}) for rank in (0, 1, 2)
+    ]
+    rt.store.record_accepted([*known, *reports])  # as `medic serve` stores before handing on
+
+    async def serve() -> None:
+        await dispatcher([*known, *reports])
+        assert handed == []  # held: the reports are settling
+        await dispatcher.drain()
+
+    asyncio.run(serve())
+    [culprit] = handed
+    assert (culprit.node, culprit.rank, culprit.switch) == (
+        "gpu-node-4",
+        3,
+        "leaf-1",
+    )  # placed from the fleet
+    assert rt.store.known_event_ids([culprit.id]) == {culprit.id}  # stored before it is correlated
+
+
+def test_the_hooks_timeout_carries_the_flight_recorder_s_place_where_there_is_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", lambda: json.dumps(GLOO_DUMP), raising=False)
+    hooks = MedicHooks(job=JOB, node="node-a", rank=0, sink=tmp_path / "events.jsonl", world_size=WORLD)
+    event = hooks.report_exception(RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
+    assert event is not None
+    assert event.attributes["flight_recorder"] == GLOO_DUMP["pg_status"]["0"]  # type: ignore[index]
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")  # off: the dump is not even asked for
+    event = hooks.report_exception(RuntimeError("timed out"))
+    assert event is not None and "flight_recorder" not in event.attributes
