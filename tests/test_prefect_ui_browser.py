@@ -23,6 +23,7 @@ from factories import event_line
 from playwright.sync_api import expect, sync_playwright
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+from prefect.events.worker import EventsWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from bench.prefect_server import prefect_on_postgres
@@ -67,6 +68,9 @@ def handled(ui_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[H
     rt = configure(Runtime(store, registry.simulated(fleet)[0], REPO_ROOT / "policies" / "default.yaml"))
     fault = event_line("xid", node=NODE, gpu=3, job="llm", at=datetime.now(UTC), code=79)
     with temporary_settings({PREFECT_API_URL: ui_api}):
+        # Prefect keeps one events worker per process for any running server, bound to the first one
+        # it met: an earlier test's, gone by now. Task runs travel as events, so start it afresh.
+        EventsWorker.drain_all()
         (outcome,) = asyncio.run(remediate_all(rt, read_lines([fault], "ui.jsonl"))).outcomes
         record = store.get_incident(outcome.incident)
         assert record is not None and record.flow_run_id is not None
