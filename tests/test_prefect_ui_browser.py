@@ -24,6 +24,7 @@ from playwright.sync_api import expect, sync_playwright
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 from prefect.events.worker import EventsWorker
+from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from bench.prefect_server import prefect_on_postgres
@@ -75,6 +76,10 @@ def handled(ui_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[H
         record = store.get_incident(outcome.incident)
         assert record is not None and record.flow_run_id is not None
         asyncio.run(_until_recorded(UUID(record.flow_run_id)))
+        # And leave none bound to this server, which stops with the module: draining one bound to a
+        # gone server would hold the session's last teardown (prefect_test_harness drains them all).
+        EventsWorker.drain_all()
+        APILogWorker.drain_all()
     yield HandledIncident(ui_api.removesuffix("/api"), outcome.incident, record.flow_run_id)
     store.close()
 
