@@ -16,11 +16,12 @@ optional) naming the backends per cluster, and from environment variables, which
 | MEDIC_CHECKPOINTS     | none: must be configured                  |
 | MEDIC_NOTIFIER        | slack when SLACK_BOT_TOKEN / MEDIC_SLACK_TOKEN_BLOCK is set |
 | MEDIC_BACKENDS        | `sim`: simulate every role not named otherwise |
+| MEDIC_AUDIT_KEY       | unset: the audit chain is hashed, not keyed   |
 
 No backend role defaults to the simulation: a role is configured by its variable (or the
 file's cluster section), or simulated because MEDIC_BACKENDS=sim says so (`backend_choices`).
 Credentials never go in the file (it is refused): they come from the standard boto3 chain,
-the environment, or Prefect Secret blocks.
+the environment, or Prefect Secret blocks. The audit key is one: it is read from the environment only.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-_SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|ACCESS_KEY|PRIVATE", re.IGNORECASE)
+_SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|ACCESS_KEY|PRIVATE|AUDIT_KEY", re.IGNORECASE)
+# The key of the store's audit chain (docs/store.md#tamper-evidence): HMAC, so that someone who can
+# edit the database cannot recompute the chain without it.
+AUDIT_KEY_VAR = "MEDIC_AUDIT_KEY"
 
 
 # Each backend role and the variable that configures it (docs/config.md).
@@ -195,3 +199,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         backends=backend_choices(merged, set_here),
         config_path=config_path if has_file else None,
     )
+
+
+def audit_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """The audit chain's key, from the environment only: a credential never comes from the file."""
+    return (os.environ if environ is None else environ).get(AUDIT_KEY_VAR) or None

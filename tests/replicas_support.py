@@ -59,6 +59,7 @@ from sqlalchemy.engine import Engine
 
 from medic.config import REPO_ROOT
 from medic.policy import load_policy
+from medic.store.migrate import VERSION_TABLE
 
 T = TypeVar("T")
 R = TypeVar("R", bound=tuple[Any, ...])
@@ -242,11 +243,13 @@ class StoreView:
         return [i for i in self.incidents() if i.status in ACTIVE]
 
     def truncate(self) -> None:
-        """Empty every table (whatever tables the store has by now), for the next scenario."""
+        """Empty every table (whatever tables the store has by now) but the schema's revision, for the
+        next scenario: emptied, it would make the next start migrate tables that are there."""
         with self.engine.begin() as conn:
             tables = [
                 r[0]
                 for r in conn.execute(text("SELECT tablename FROM pg_tables WHERE schemaname = 'public'"))
+                if r[0] != VERSION_TABLE
             ]
             if tables:
                 quoted = ", ".join(f'"{t}"' for t in tables)

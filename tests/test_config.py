@@ -19,6 +19,7 @@ from integrations.registry import BackendError, BackendNotConfiguredError
 from integrations.sim.fleet import SimFleet, UnknownSimNodeError
 from integrations.sim.notifier import RecordingNotifier
 from integrations.sim.scheduler import SimScheduler
+from medic.artifacts import Artifact
 from medic.config import load_settings
 from medic.errors import PermanentError
 from medic.policy import PolicyError
@@ -124,15 +125,25 @@ def test_the_notifier_is_slack_with_a_token_console_or_sim_when_chosen(tmp_path:
         registry.from_settings(load_settings({**base, "MEDIC_NOTIFIER": "slack"}))
     with pytest.raises(BackendError, match="MEDIC_NOTIFIER='email' is not available"):
         registry.from_settings(load_settings({**base, "MEDIC_NOTIFIER": "email"}))
+    links = {"MEDIC_ARTIFACT_ROOT": "/shared/medic", "MEDIC_ARTIFACT_URL": "files.example/medic"}
+    with pytest.raises(
+        BackendError, match="SLACK_BOT_TOKEN=slack: MEDIC_ARTIFACT_URL='files\\.example/medic'"
+    ):
+        registry.from_settings(load_settings({**base, "SLACK_BOT_TOKEN": "xoxb-1", **links}))
 
 
 def test_the_console_notifier_writes_every_message() -> None:
     stream = io.StringIO()
     notifier = ConsoleNotifier(stream)
-    ref = notifier.post(Message("inc-1", "#gpu", "Hardware fault on gpu-001: reboot", "rebooted"))
+    dump = Artifact("stack dump of rank 3 on gpu-001", "/shared/medic/llm-r3-step12-stacks.txt")
+    ref = notifier.post(
+        Message("inc-1", "#gpu", "Hardware fault on gpu-001: reboot", "rebooted", artifacts=(dump,))
+    )
     notifier.reply(ref, "verified at DCGM level 1")
     assert stream.getvalue() == (
-        "[medic sim-1] #gpu: Hardware fault on gpu-001: reboot\nrebooted\n[medic sim-1] verified at DCGM level 1\n"
+        "[medic sim-1] #gpu: Hardware fault on gpu-001: reboot\nrebooted\n"
+        "stack dump of rank 3 on gpu-001: /shared/medic/llm-r3-step12-stacks.txt\n"
+        "[medic sim-1] verified at DCGM level 1\n"
     )
 
 

@@ -15,6 +15,7 @@ from sqlmodel import Session, col, select
 
 from medic.statuses import ActionStatus
 from medic.store.engine import StoreBase, utcnow
+from medic.store.ledger import audited
 from medic.store.tables import ActionRecord
 
 
@@ -39,7 +40,7 @@ class ActionsMixin(StoreBase):
                     .where(col(ActionRecord.status) == ActionStatus.FAILED)
                     .values(status=ActionStatus.INTENT, intent_at=utcnow())
                 )
-                taken = s.exec(retake).rowcount == 1
+                taken = len(audited(s, retake)) == 1
                 s.commit()
                 s.expire_all()
                 return s.exec(select(ActionRecord).where(ActionRecord.key == key)).one(), taken

@@ -9,6 +9,7 @@ from sqlalchemy import update
 from sqlmodel import col, select
 
 from medic.store.engine import StoreBase, utcnow
+from medic.store.ledger import audited
 from medic.store.tables import ApprovalRecord
 
 
@@ -41,12 +42,15 @@ class ApprovalsMixin(StoreBase):
         written); (None, False) when the incident has no request at all."""
         with self.session() as s:
             won = (
-                s.exec(
-                    update(ApprovalRecord)
-                    .where(col(ApprovalRecord.incident_id) == incident_id)
-                    .where(col(ApprovalRecord.answered_at).is_(None))
-                    .values(answered_at=utcnow(), approved=approved, by=by, via=via)
-                ).rowcount
+                len(
+                    audited(
+                        s,
+                        update(ApprovalRecord)
+                        .where(col(ApprovalRecord.incident_id) == incident_id)
+                        .where(col(ApprovalRecord.answered_at).is_(None))
+                        .values(answered_at=utcnow(), approved=approved, by=by, via=via),
+                    )
+                )
                 > 0
             )
             s.commit()
@@ -56,10 +60,11 @@ class ApprovalsMixin(StoreBase):
     def reopen_approval(self, row_id: int) -> None:
         """Take a claimed answer back, when it could not be delivered to the waiting run."""
         with self.session() as s:
-            s.exec(
+            audited(
+                s,
                 update(ApprovalRecord)
                 .where(col(ApprovalRecord.id) == row_id)
-                .values(answered_at=None, approved=None, by=None, via=None)
+                .values(answered_at=None, approved=None, by=None, via=None),
             )
             s.commit()
 

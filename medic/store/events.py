@@ -18,6 +18,7 @@ from medic.events import FaultEvent
 from medic.incidents import Incident
 from medic.store.actions import succeeded_actions
 from medic.store.engine import StoreBase, utcnow
+from medic.store.ledger import audited
 from medic.store.tables import EventRecord
 
 # Actions that count as a remediation in a node's history (drains and resumes do not).
@@ -80,7 +81,7 @@ class EventsMixin(StoreBase):
             with self.session() as s:
                 # A bulk INSERT, not ORM objects: building those costs 10x the write itself.
                 try:
-                    s.exec(insert(EventRecord), params=[_event_values(e, None, received_at) for e in fresh])
+                    audited(s, insert(EventRecord), [_event_values(e, None, received_at) for e in fresh])
                     s.commit()
                 except IntegrityError:
                     s.rollback()
@@ -99,7 +100,7 @@ class EventsMixin(StoreBase):
                     .where(col(EventRecord.incident_id).is_(None))
                     .values(incident_id=incident.id)
                 )
-                changed += s.exec(query).rowcount
+                changed += len(audited(s, query))
             s.commit()
         return changed
 

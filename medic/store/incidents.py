@@ -17,6 +17,7 @@ from sqlmodel import Session, col, select
 from medic.incidents import Incident
 from medic.statuses import ACTIVE_INCIDENT_STATUSES, IncidentStatus
 from medic.store.engine import StoreBase, utcnow
+from medic.store.ledger import audited
 from medic.store.tables import (
     ActionRecord,
     DecisionRecord,
@@ -101,7 +102,7 @@ class IncidentsMixin(StoreBase):
             .values(runner=runner, lease_until=now + timedelta(seconds=lease_s))
         )
         with self.session() as s:
-            taken = s.exec(query).rowcount == 1
+            taken = len(audited(s, query)) == 1
             s.commit()
             return taken
 
@@ -117,7 +118,7 @@ class IncidentsMixin(StoreBase):
             .values(lease_until=utcnow() + timedelta(seconds=lease_s))
         )
         with self.session() as s:
-            renewed = s.exec(query).rowcount
+            renewed = len(audited(s, query))
             s.commit()
             return renewed
 
@@ -265,9 +266,10 @@ def _join(s: Session, row: IncidentRecord, incident: Incident, owner: str | None
 def _tie_events(s: Session, incident_id: str, incident: Incident) -> None:
     ids = [e.id for e in incident.events]
     if ids:
-        s.exec(
+        audited(
+            s,
             update(EventRecord)
             .where(col(EventRecord.id).in_(ids))
             .where(col(EventRecord.incident_id).is_(None))
-            .values(incident_id=incident_id)
+            .values(incident_id=incident_id),
         )

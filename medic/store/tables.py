@@ -236,3 +236,45 @@ class BreakerRecord(SQLModel, table=True):
     incident_id: str | None = None
     closed_at: datetime | None = _time(nullable=True)
     closed_by: str | None = None
+
+
+class AuditChainRecord(SQLModel, table=True):
+    """The ledger: one entry per write of an audited row, appended in the write's own transaction
+    (medic/store/ledger.py). Entries are never updated; a prune removes whole runs of them and
+    records where (`audit_prunes`)."""
+
+    __tablename__ = "audit_chain"
+    __table_args__ = (
+        Index("ix_audit_chain_incident", "incident_id", "seq"),
+        Index("ix_audit_chain_row", "table_name", "row_key", "seq"),
+    )
+
+    seq: int = Field(sa_column=Column(BigInteger, primary_key=True, autoincrement=False))
+    at: datetime = _time()
+    table_name: str
+    row_key: str
+    incident_id: str | None = None
+    digest: str | None = None  # the row's content (medic.store.chain.row_digest); None: deleted
+    prev_hash: str
+    incident_prev_hash: str | None = None
+    key_id: str | None = None  # which MEDIC_AUDIT_KEY keyed `hash`; None: unkeyed
+    hash: str
+
+
+class AuditPruneRecord(SQLModel, table=True):
+    """A prune: what left the store, for which archive, and the runs of ledger entries it removed,
+    so that the chain still links across them."""
+
+    __tablename__ = "audit_prunes"
+
+    id: int | None = Field(default=None, primary_key=True)
+    pruned_at: datetime = _time()
+    before: datetime = _time()
+    archive: str  # the file's name as given
+    archive_sha256: str  # of the archive's content (medic/store/archive.py)
+    incidents: int
+    rows: int
+    entries: int
+    head_seq: int = Field(sa_type=BigInteger)  # the chain's head when the archive was written
+    head_hash: str
+    runs: list[list[Any]] = Field(sa_column=Column(JSON, nullable=False))  # medic.store.chain.Run

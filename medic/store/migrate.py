@@ -1,0 +1,112 @@
+"""The store's schema is alembic's (the revisions in medic/store/migrations/versions/): every store is
+brought to the newest revision the first time a process of this release opens it.
+
+A store written before the schema was under alembic has tables but no version: the baseline
+revision brings whatever it has up to the baseline (tables, nullable columns and indexes added
+since), and the revisions after it run as on any store. One process at a time migrates: the others
+wait, then find the store at the head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import create_engine, text
+from sqlalchemy import event as sa_event
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import NullPool
+
+from medic.errors import PermanentError
+from medic.store.chain import ChainKey
+from medic.store.migrations import baseline
+
+SCRIPTS = Path(__file__).parent / "migrations"
+# Not alembic's default name: a store may share its database with another alembic user (Prefect's).
+VERSION_TABLE = "medic_alembic_version"
+# Any fixed 64-bit number: the key of the advisory lock GPU Medic's processes migrate under.
+_SCHEMA_LOCK_KEY = 0x6D65646963  # "medic"
+# A migration of a large store may take minutes; the processes that start meanwhile wait for it.
+_SQLITE_WAIT_MS = 600_000
+
+
+class SchemaError(PermanentError):
+    """Raised when the store's schema is a revision this release does not know: a later release
+    migrated it, and this one would write rows that schema does not expect."""
+
+
+@cache
+def _scripts() -> ScriptDirectory:
+    return ScriptDirectory(str(SCRIPTS))
+
+
+def head() -> str:
+    revision = _scripts().get_current_head()
+    assert revision is not None, "medic/store/migrations has no revisions"
+    return revision
+
+
+def current(connection: Connection) -> str | None:
+    return MigrationContext.configure(
+        connection, opts={"version_table": VERSION_TABLE}
+    ).get_current_revision()
+
+
+def upgrade(engine: Engine, key: ChainKey | None) -> None:
+    """Bring the store to the newest revision. Rows present when the audit chain is added are
+    sealed with `key`."""
+    with engine.connect() as connection:
+        if current(connection) == head():
+            baseline.retry_unique_indexes(connection)
+            return
+    with _exclusive(engine) as connection:
+        found = current(connection)
+        if found is not None and found not in {s.revision for s in _scripts().walk_revisions()}:
+            raise SchemaError(
+                f"the store's schema is revision {found}, newer than this release knows ({head()}): "
+                "run a release at least as new"
+            )
+        config = Config()
+        config.set_main_option("script_location", str(SCRIPTS))
+        config.attributes.update(connection=connection, audit_key=key, version_table=VERSION_TABLE)
+        command.upgrade(config, "head")
+
+
+@contextmanager
+def _exclusive(engine: Engine) -> Iterator[Connection]:
+    """A transaction no other process migrates beside. Two replicas starting together on an empty
+    PostgreSQL database would both create a table, and one fail on the catalog."""
+    if engine.dialect.name == "postgresql":
+        with engine.begin() as connection:
+            connection.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK_KEY})
+            yield connection
+        return
+    if engine.dialect.name != "sqlite" or engine.url.database in (None, "", ":memory:"):
+        with engine.begin() as connection:
+            yield connection
+        return
+    # pysqlite begins a transaction only before DML, so DDL would commit on its own: this engine
+    # begins one itself, IMMEDIATE, taking SQLite's writer lock for the whole migration.
+    exclusive = create_engine(engine.url, poolclass=NullPool)
+
+    @sa_event.listens_for(exclusive, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        dbapi_connection.execute(f"PRAGMA busy_timeout={_SQLITE_WAIT_MS}")
+
+    @sa_event.listens_for(exclusive, "begin")
+    def _on_begin(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    try:
+        with exclusive.begin() as connection:
+            yield connection
+    finally:
+        exclusive.dispose()
