@@ -14,6 +14,7 @@ from datetime import datetime
 
 from medic.statuses import StepStatus
 from medic.store import IncidentDetail
+from medic.store.tables import GoodputRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +27,20 @@ class IncidentCost:
     action_s: float
     recovery_s: float | None  # None: the job was not restarted by this incident
     lost_work_s: float | None
+
+    @classmethod
+    def of(cls, row: GoodputRecord) -> IncidentCost:
+        """As recorded when the incident closed."""
+        return cls(
+            row.incident_id,
+            row.job,
+            row.fault_at,
+            row.detection_s,
+            row.diagnosis_s,
+            row.action_s,
+            row.recovery_s,
+            row.lost_work_s,
+        )
 
     @property
     def downtime_s(self) -> float:

@@ -26,19 +26,7 @@ def goodput(
 ) -> None:
     """What incidents cost each job: detection, diagnosis, action, recovery, lost work, downtime."""
     rows = Store(load_settings().database_url).goodput(job)
-    costs = [
-        IncidentCost(
-            r.incident_id,
-            r.job,
-            r.fault_at,
-            r.detection_s,
-            r.diagnosis_s,
-            r.action_s,
-            r.recovery_s,
-            r.lost_work_s,
-        )
-        for r in rows
-    ]
+    costs = [IncidentCost.of(r) for r in rows]
     per_incident = Table(title="Per incident (seconds)", title_justify="left")
     for column in (
         "incident",
