@@ -1,7 +1,8 @@
 """The remediation flow: one run per incident.
 
 triage → diagnose (DCGM ladder, re-deciding after each level) → decide → act → resume job →
-verify/reintegrate → notify → close. The node's jobs are moved off it before anything stresses or
+verify (and the deep checks the policy requires after a replacement or repair)/reintegrate → notify →
+close. The node's jobs are moved off it before anything stresses or
 resets it (a level 2-4 diagnostic, a destructive action), so `resume job` only waits on those
 (docs/decisions/0008-job-off-node.md). Every stage writes to the store; the run is tagged with
 node, job, owner, classification and action, carries a markdown audit artifact and a link to
@@ -24,7 +25,9 @@ from pydantic import BaseModel
 
 from flows.approval import await_approval
 from flows.ladder import diagnose_ladder
+from medic.artifacts import artifacts_of
 from medic.audit import incident_markdown
+from medic.events import FaultEvent
 from medic.policy import Action, Decision
 from medic.policy.model import DESTRUCTIVE
 from medic.protocols import Message
@@ -40,7 +43,7 @@ from tasks.resume import ResumeOutcome, moved_jobs, resume_job
 from tasks.runtime import current
 from tasks.stage import stage
 from tasks.triage import Triage, triage
-from tasks.verify import VerifyOutcome, verify
+from tasks.verify import VerifyOutcome, verify, verify_budget_s
 
 
 class Outcome(BaseModel):
@@ -94,7 +97,9 @@ def _summary(
     return "; ".join(parts)
 
 
-def _message(triaged: Triage, decision: Decision, summary: str) -> Message:
+def _message(triaged: Triage, decision: Decision, evidence: list[FaultEvent]) -> Message:
+    kinds = sorted({e.kind.value for e in evidence})
+    summary = f"Evidence: {len(evidence)} events ({', '.join(kinds)})"
     body = f"{summary}\nDecision: rule `{decision.rule}` — {decision.reason}"
     problem = current().policy_problem
     if problem:
@@ -113,6 +118,7 @@ def _message(triaged: Triage, decision: Decision, summary: str) -> Message:
             "owner": triaged.owner or "",
             "flow run": _run_name() if flow_run.id else "",
         },
+        artifacts=artifacts_of(evidence),  # the culprit's stack dump or profile, to open from the message
     )
 
 
@@ -155,12 +161,6 @@ def outcome_of(
         notified=notified,
         summary=summary,
     )
-
-
-def _evidence(incident_id: str) -> str:
-    events = current().store.incident_events(incident_id)
-    kinds = sorted({e.kind.value for e in events})
-    return f"{len(events)} events ({', '.join(kinds)})"
 
 
 def _decided(d: DecisionRecord) -> tuple[object, ...]:
@@ -228,7 +228,9 @@ async def remediate(incident_id: str, node: str) -> Outcome:
     await ensure_limits()
     triaged = triage(incident_id)
     decision, seen = triaged.decision, []
-    thread = IncidentThread(incident_id, _message(triaged, decision, f"Evidence: {_evidence(incident_id)}"))
+    thread = IncidentThread(
+        incident_id, _message(triaged, decision, current().store.incident_events(incident_id))
+    )
     if decision.action is Action.DIAGNOSE:
         await thread.open()  # a ladder can take an hour: people hear of the fault first
         ladder = await diagnose_ladder(incident_id, node, decision)
@@ -278,7 +280,12 @@ async def remediate(incident_id: str, node: str) -> Outcome:
 
     verified = None
     if acted.status == ActStatus.DONE and decision.action in DESTRUCTIVE:
-        verified = verify(incident_id, node, current().policy().policy.defaults.verify_level)
+        # The deep checks a replacement or repair requires can take hours (DCGM level 4, an
+        # all-reduce): the task's limit is theirs.
+        policy = current().policy().policy
+        level = policy.defaults.verify_level
+        budget = verify_budget_s(policy.deep_checks, level, decision.action)
+        verified = verify.with_options(timeout_seconds=budget)(incident_id, node, level, decision.action)
         await thread.say(verified.detail)
 
     summary = _summary(decision, acted, resumed, verified)

@@ -7,12 +7,16 @@ A session asks a GPU for a field it answered NotSupported (or lacked the functio
 
 `NvmlSession` keeps NVML initialised between reads and holds an event set registered for XID
 critical errors, so XIDs that happened between two reads are delivered at the next one (the
-driver queues them). `snapshot()` is one read in a fresh session, for one-off checks.
+driver queues them). `snapshot()` is one read in a fresh session, for one-off checks;
+`python -m integrations.nvml` prints one as JSON, for a probe run on the node from elsewhere
+(integrations/nvml_probe.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -157,6 +161,10 @@ class GpuSnapshot:
     # links that answered; a counter no link answered is absent. None: no NVLink or no answer.
     nvlink_errors: dict[str, int] | None = None
     errors: tuple[str, ...] = ()  # calls that failed for another reason: "temperature: Unknown Error"
+    persistence_mode: bool | None = None
+    # Fields this GPU and driver answered NotSupported (or lacked the function for), named as in
+    # `errors`: unknown because the GPU has no such thing, not because NVML failed to answer.
+    unsupported: tuple[str, ...] = ()
 
     @property
     def idle(self) -> bool:
@@ -165,6 +173,20 @@ class GpuSnapshot:
     @property
     def thermal_reasons(self) -> tuple[str, ...]:
         return tuple(r for r in self.clock_reasons or () if r in THERMAL_REASONS)
+
+    def counters(self) -> dict[str, int]:
+        """The counters hardware ageing follows (docs/events.md, `counters`): lifetime ECC counts,
+        rows remapped, NVLink CRC errors. One NVML did not answer is left out, never zero."""
+        crc = [v for k, v in (self.nvlink_errors or {}).items() if k in ("crc_flit", "crc_data")]
+        remap = self.row_remap
+        found = {
+            "ecc_corrected": self.ecc.aggregate_corrected,
+            "ecc_uncorrected": self.ecc.aggregate_uncorrected,
+            "row_remap_corrected": remap.corrected if remap else None,
+            "row_remap_uncorrected": remap.uncorrected if remap else None,
+            "nvlink_crc": sum(crc) if crc else None,
+        }
+        return {name: value for name, value in found.items() if value is not None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,6 +425,8 @@ class NvmlSession:
             facts["clock_reasons"] = None if mask is None else decode_clock_reasons(mask)
             milliwatts = reader.get("power", pynvml.nvmlDeviceGetPowerUsage)
             facts["power_w"] = None if milliwatts is None else milliwatts / 1000
+            mode = reader.get("persistence mode", pynvml.nvmlDeviceGetPersistenceMode)
+            facts["persistence_mode"] = None if mode is None else mode == pynvml.NVML_FEATURE_ENABLED
             facts["pcie"] = PcieLink(
                 reader.get("pcie gen", pynvml.nvmlDeviceGetCurrPcieLinkGeneration),
                 reader.get("pcie max gen", pynvml.nvmlDeviceGetMaxPcieLinkGeneration),
@@ -415,7 +439,9 @@ class NvmlSession:
             # What was read before the loss still identifies the GPU.
             keep = {k: facts[k] for k in ("uuid", "pci_bus_id", "name") if k in facts}
             return GpuSnapshot(index, lost=True, errors=tuple(reader.errors), **keep)
-        return GpuSnapshot(index, errors=tuple(reader.errors), **facts)
+        return GpuSnapshot(
+            index, errors=tuple(reader.errors), unsupported=tuple(sorted(reader.never)), **facts
+        )
 
     def _nvlink_states(self, index: int, reader: _Reader) -> dict[int, bool] | None:
         """Up/down per link. The first read probes every link NVML could have; later reads ask
@@ -464,3 +490,12 @@ def snapshot() -> NodeSnapshot | Unavailable:
     set sees nothing from before it existed (the kernel log has those)."""
     with NvmlSession() as session:
         return session.read()
+
+
+def main() -> None:
+    result = snapshot()
+    print(json.dumps({"type": type(result).__name__, **dataclasses.asdict(result)}))
+
+
+if __name__ == "__main__":
+    main()

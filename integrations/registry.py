@@ -8,6 +8,9 @@
 | checkpoints | MEDIC_CHECKPOINTS | sim, a directory of DCP checkpoints, s3://...   |
 | notifier    | MEDIC_NOTIFIER    | slack (implied by SLACK_BOT_TOKEN), console, sim |
 
+The deep checks' backends (the NVML probe, the nccl-tests all-reduce) follow the diagnostics role:
+they reach the nodes the way DCGM does, or are simulated with it.
+
 No role falls back to the simulation: one that is not configured stops `from_settings` with a
 `BackendNotConfiguredError` naming every such role and what to set. `MEDIC_BACKENDS=sim` is
 how the demo and the tests choose simulation for every role they do not name.
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from integrations.sim.checkpoints import SimCheckpoints
+from integrations.sim.deep_checks import SimAllReduce, SimInstanceProbe
 from integrations.sim.diagnostics import SimDiagnostics
 from integrations.sim.fleet import SimFleet
 from integrations.sim.notifier import RecordingNotifier
@@ -32,7 +36,15 @@ from integrations.sim.provider import SimProvider
 from integrations.sim.scheduler import SimScheduler
 from medic.config import BACKEND_ROLES, BACKENDS_VAR, SLACK_TOKEN_VARS, Choice, Settings
 from medic.errors import PermanentError
-from medic.protocols import CheckpointStore, Diagnostics, NodeProvider, Notifier, Scheduler
+from medic.protocols import (
+    AllReduceTest,
+    CheckpointStore,
+    Diagnostics,
+    InstanceProbe,
+    NodeProvider,
+    Notifier,
+    Scheduler,
+)
 
 
 class BackendError(PermanentError, ValueError):
@@ -78,6 +90,8 @@ class Backends:
     diagnostics: Diagnostics
     notifier: Notifier
     checkpoints: CheckpointStore
+    instance: InstanceProbe
+    all_reduce: AllReduceTest
 
 
 def simulated(fleet: SimFleet | None = None) -> tuple[Backends, SimFleet]:
@@ -88,6 +102,8 @@ def simulated(fleet: SimFleet | None = None) -> tuple[Backends, SimFleet]:
         diagnostics=SimDiagnostics(fleet),
         notifier=RecordingNotifier(),
         checkpoints=SimCheckpoints(fleet),
+        instance=SimInstanceProbe(fleet),
+        all_reduce=SimAllReduce(fleet),
     )
     return backends, fleet
 
@@ -128,6 +144,20 @@ def _dcgm(env: Env, scheduler: Scheduler | None) -> Diagnostics:
     return DcgmDiagnostics.from_env(env)
 
 
+def _deep_checks(choice: Choice, env: Env, sim: Backends) -> tuple[InstanceProbe, AllReduceTest]:
+    """The NVML probe and the all-reduce, chosen with the diagnostics: real beside DCGM, simulated
+    beside the simulation."""
+    if choice.value == "sim":
+        return sim.instance, sim.all_reduce
+    from integrations.nccl_tests import NcclTestsAllReduce
+    from integrations.nvml_probe import NvmlProbe
+
+    try:
+        return NvmlProbe.from_env(env), NcclTestsAllReduce.from_env(env)
+    except ValueError as error:
+        raise BackendError(f"{choice.variable}={choice.value}: {error}") from None
+
+
 REAL: dict[str, dict[str, Callable[[Env, Scheduler | None], Any]]] = {
     "scheduler": {"slurm": _slurm_scheduler},
     "provider": {"slurm": _slurm_provider, "hyperpod": _hyperpod, "ec2": _ec2},
@@ -166,7 +196,10 @@ def _notifier(choice: Choice, env: Env, simulated_one: Notifier) -> Notifier:
         case "slack":
             from integrations.slack.notifier import SlackNotifier
 
-            notifier = SlackNotifier.from_env(env)
+            try:
+                notifier = SlackNotifier.from_env(env)
+            except ValueError as error:  # a malformed setting, named by the notifier
+                raise BackendError(f"{choice.variable}=slack: {error}") from None
             if notifier is None:
                 raise BackendError(f"{choice.variable}=slack: set {' or '.join(SLACK_TOKEN_VARS)}")
             return notifier
@@ -207,10 +240,15 @@ def from_settings(settings: Settings, env: Env | None = None) -> Backends:
     chosen = settings.backends
     assert set(chosen) == set(BACKEND_ROLES)
     scheduler = _choose("scheduler", chosen["scheduler"], env, sim.scheduler)
+    provider = _choose("provider", chosen["provider"], env, sim.provider, scheduler)
+    diagnostics = _choose("diagnostics", chosen["diagnostics"], env, sim.diagnostics)
+    instance, all_reduce = _deep_checks(chosen["diagnostics"], env, sim)
     return Backends(
         scheduler=scheduler,
-        provider=_choose("provider", chosen["provider"], env, sim.provider, scheduler),
-        diagnostics=_choose("diagnostics", chosen["diagnostics"], env, sim.diagnostics),
+        provider=provider,
+        diagnostics=diagnostics,
         notifier=_notifier(chosen["notifier"], env, sim.notifier),
         checkpoints=_checkpoints(chosen["checkpoints"], env, sim.checkpoints),
+        instance=instance,
+        all_reduce=all_reduce,
     )

@@ -10,6 +10,8 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
+from medic.artifacts import Artifact
+
 
 class NodeState(StrEnum):
     IDLE = "idle"
@@ -133,6 +135,74 @@ class Diagnostics(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class GpuReading:
+    """One GPU as the node's driver enumerates it: its NVLink links by state."""
+
+    index: int
+    name: str | None = None
+    lost: bool = False  # enumerated, but it does not answer (fallen off the bus, GPU is lost)
+    links_up: tuple[int, ...] = ()
+    links_down: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceReading:
+    """What the node's driver says it has. `error` set: nothing could be read, which is never a pass."""
+
+    node: str
+    gpu_count: int | None = None  # GPUs the driver enumerates
+    gpus: tuple[GpuReading, ...] = ()
+    error: str | None = None
+    output: str = ""  # what the probe printed: the check's evidence
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+@runtime_checkable
+class InstanceProbe(Protocol):
+    def read(self, node: str, timeout_s: float) -> InstanceReading: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AllReduceSpec:
+    """An all-reduce across `nodes`, one rank per GPU, scanning sizes from min to max bytes."""
+
+    nodes: tuple[str, ...]
+    gpus_per_node: int
+    min_bytes: int
+    max_bytes: int
+    step_factor: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllReduceRun:
+    """What an all-reduce measured, read from the benchmark's own output. `error` set: no result
+    could be read (it did not start, hung, died before its results, printed what we cannot read)."""
+
+    spec: AllReduceSpec
+    command: tuple[str, ...] = ()
+    error: str | None = None
+    ranks: int = 0
+    hosts: tuple[str, ...] = ()
+    largest_bytes: int | None = None
+    # At the largest size: the lower of the out-of-place and in-place bus bandwidths (GB/s).
+    busbw_gbps: float | None = None
+    avg_busbw_gbps: float | None = None  # the benchmark's own average over every size
+    out_of_bounds: int | None = None  # sizes whose results were wrong, as the benchmark counts them
+    wrong: tuple[str, ...] = ()  # where wrong elements were found: "1048576 B out-of-place: 96"
+    failures: tuple[str, ...] = ()  # what the run reported failing besides (a rank's test failure)
+    version: str | None = None
+    output: str = ""  # everything it printed: the check's evidence
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+@runtime_checkable
+class AllReduceTest(Protocol):
+    def run(self, spec: AllReduceSpec, timeout_s: float) -> AllReduceRun: ...
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     """One notification: a headline, the body in markdown-ish text, and where it should go."""
 
@@ -143,6 +213,7 @@ class Message:
     recommend: tuple[str, ...] = ()
     fields: dict[str, str] = field(default_factory=dict)
     approval_run: str | None = None  # a paused flow run waiting for Approve / Reject
+    artifacts: tuple[Artifact, ...] = ()  # files the evidence points at: a stack dump, a profile
 
 
 @runtime_checkable

@@ -11,7 +11,7 @@ from medic.statuses import ACT_DONE_STATUSES, ActionStatus, ActStatus, StepStatu
 from medic.store.tables import ActionRecord
 from tasks import prefect_events
 from tasks.guard import guarded
-from tasks.node_ops import ensure_drained, held_by_others, resume_node, take_out_of_service
+from tasks.node_ops import ensure_drained, held_by_others, reintegrate_node, take_out_of_service
 from tasks.resume import JobsOff, move_jobs_off
 from tasks.retry import transient_only
 from tasks.runtime import Runtime, current
@@ -163,7 +163,7 @@ def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> Act
             )
         elif action is Action.REINTEGRATE:
             outcome = ActOutcome(
-                action=action, status=ActStatus.DONE, detail=resume_node(rt, incident_id, node)
+                action=action, status=ActStatus.DONE, detail=reintegrate_node(rt, incident_id, node)
             )
         elif action is Action.ESCALATE:
             outcome = ActOutcome(action=action, status=ActStatus.ESCALATED, detail=_handed_over(decision))

@@ -9,13 +9,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from medic.errors import PermanentError
-from medic.policy import Decision
+from medic.policy import Action, Decision
+from medic.policy.model import DESTRUCTIVE
 from medic.protocols import NodeInfo, NodeState
-from medic.statuses import ACTIVE_INCIDENT_STATUSES, ActionStatus
+from medic.statuses import ACTIVE_INCIDENT_STATUSES, ActionStatus, StepStatus
 from tasks.guard import guarded, inside_guarded
 from tasks.runtime import Runtime
+
+# Every replacement or repair on record counts, however old: the node has not been checked since.
+EVER = datetime(1970, 1, 1, tzinfo=UTC)
+REPAIRS = frozenset(a.value for a in DESTRUCTIVE)
 
 
 class OutsideGuardrailSlotError(PermanentError, RuntimeError):
@@ -113,6 +119,37 @@ def resume_node(rt: Runtime, incident_id: str, node: str) -> str:
     rt.backends.scheduler.resume(node)
     rt.store.finish_action(key, ActionStatus.SUCCEEDED, f"resumed {node}")
     return f"resumed {node}"
+
+
+def reintegrate_node(rt: Runtime, incident_id: str, node: str) -> str:
+    """Return a node to service for a `reintegrate` decision, unless our last replacement or repair of
+    it has not passed the deep checks the policy requires for that transition: a later passing
+    diagnostic does not re-run an all-reduce, so it cannot stand in for them."""
+    unverified = _unverified_repair(rt, node)
+    if unverified:
+        return f"{node} not resumed: {unverified}"
+    return resume_node(rt, incident_id, node)
+
+
+def _unverified_repair(rt: Runtime, node: str) -> str | None:
+    repairs = [a for a in rt.store.node_actions(node, EVER) if a.action in REPAIRS]
+    if not repairs:
+        return None
+    last = repairs[-1]
+    required = rt.policy().policy.deep_checks.required(replaced=last.action == Action.REPLACE)
+    if not required:
+        return None
+    detail = rt.store.incident_detail(last.incident_id)
+    done_at = last.finished_at or last.intent_at
+    steps = detail.steps if detail is not None else []
+    if any(
+        s.stage.startswith("verify") and s.status == StepStatus.OK and s.finished_at >= done_at for s in steps
+    ):
+        return None
+    return (
+        f"its {last.action} in incident {last.incident_id} has not passed the deep checks the policy requires "
+        f"({', '.join(required)}); a human returns it"
+    )
 
 
 def _held_by_another_incident(rt: Runtime, incident_id: str, info: NodeInfo) -> str | None:

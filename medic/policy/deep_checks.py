@@ -1,0 +1,135 @@
+"""The policy's `deep_checks` section: what a node of each shape must show before it returns to
+service after a replacement or a repair (docs/deep-checks.md)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from fnmatch import fnmatchcase
+from typing import Annotated
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+# nccl-tests' own default largest size for a multi-node scan (its README): large enough that the
+# bus bandwidth has reached its plateau, so a floor judged there is about the links, not latency.
+DEFAULT_MAX_BYTES = 8 * 1024**3
+Bandwidth = Annotated[float, Field(gt=0, le=100_000)]  # GB/s; above any link built
+
+
+class CheckName(StrEnum):
+    GPU_COUNT = "gpu_count"
+    NVLINK = "nvlink"
+    DCGM = "dcgm"
+    ALL_REDUCE = "all_reduce"
+
+
+# The order the suite runs and reports them: the cheap reads first, the all-reduce last.
+CHECK_ORDER = tuple(CheckName)
+# The checks that load every GPU: never beside a job.
+STRESS_CHECKS = frozenset({CheckName.DCGM, CheckName.ALL_REDUCE})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Shape(_Strict):
+    """What a healthy node of one kind has, and the all-reduce bandwidth it must reach."""
+
+    gpus: PositiveInt = Field(description="GPUs the driver must enumerate, every one answering.")
+    nvlinks_per_gpu: int = Field(
+        0, ge=0, le=64, description="NVLink links up on every GPU (0: a PCIe-only node, not checked)."
+    )
+    busbw_floor_gbps: Bandwidth = Field(
+        description="Lowest all-reduce bus bandwidth (nccl-tests busbw, GB/s) across the node's own GPUs, "
+        "at the largest size."
+    )
+    multi_node_busbw_floor_gbps: Bandwidth | None = Field(
+        None,
+        description="Lowest busbw of an all-reduce across several nodes of this shape (the network's "
+        "share); default: busbw_floor_gbps.",
+    )
+
+    def floor(self, nodes: int) -> float:
+        if nodes > 1 and self.multi_node_busbw_floor_gbps is not None:
+            return self.multi_node_busbw_floor_gbps
+        return self.busbw_floor_gbps
+
+
+class AllReduceSizes(_Strict):
+    """The sizes nccl-tests' all_reduce_perf scans (-b, -e, -f); the floor is judged at the largest."""
+
+    min_bytes: PositiveInt = 8
+    max_bytes: PositiveInt = Field(DEFAULT_MAX_BYTES, le=1024**4)
+    step_factor: int = Field(2, ge=2, le=1024)
+    timeout_seconds: float = Field(1800, gt=0, le=86_400, description="Hard limit for one all-reduce run.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AllReduceSizes:
+        if self.min_bytes > self.max_bytes:
+            raise ValueError("min_bytes is larger than max_bytes")
+        return self
+
+
+class Required(_Strict):
+    """The checks a node must pass before it returns to service, per transition."""
+
+    after_replace: list[CheckName] = Field(
+        default_factory=list, description="After a replacement: new hardware, nothing known about it."
+    )
+    after_repair: list[CheckName] = Field(default_factory=list, description="After a reboot or a GPU reset.")
+
+
+class DeepChecks(_Strict):
+    dcgm_level: int = Field(4, ge=1, le=4, description="The DCGM diagnostic level the `dcgm` check runs.")
+    shapes: dict[str, Shape] = Field(default_factory=dict, description="Shape name -> what it has.")
+    nodes: dict[str, str] = Field(
+        default_factory=dict,
+        description="Node name or shell pattern (gpu-h100-*) -> shape name; the first match in file order.",
+    )
+    all_reduce: AllReduceSizes = Field(default_factory=AllReduceSizes)
+    require: Required = Field(default_factory=Required)
+
+    # Field validators, so that a mistake is reported at its own key's line.
+    @field_validator("nodes")
+    @classmethod
+    def _known_shapes(cls, nodes: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        shapes = info.data.get("shapes", {})
+        unknown = sorted({s for s in nodes.values() if s not in shapes})
+        if unknown:
+            known = ", ".join(sorted(shapes)) or "none"
+            raise ValueError(
+                f"names shapes that `shapes` does not define: {', '.join(unknown)} (known: {known})"
+            )
+        return nodes
+
+    @field_validator("require")
+    @classmethod
+    def _shaped_nodes(cls, require: Required, info: ValidationInfo) -> Required:
+        shaped = {*require.after_replace, *require.after_repair} - {CheckName.DCGM}
+        if shaped and info.data.get("nodes") == {}:  # absent: `nodes` itself was refused
+            # Every such check would find no shape to judge against: no node could ever return.
+            raise ValueError(
+                f"names {', '.join(sorted(shaped))}, which judge a node against its shape, "
+                "but `nodes` gives no node a shape"
+            )
+        return require
+
+    def shape_of(self, node: str) -> tuple[str, Shape] | None:
+        """The node's shape: that of the first pattern in `nodes` it matches; None when none does."""
+        for pattern, name in self.nodes.items():
+            if fnmatchcase(node, pattern):
+                return name, self.shapes[name]
+        return None
+
+    def required(self, replaced: bool) -> tuple[CheckName, ...]:
+        """The checks the transition back to service requires, in the order the suite runs them."""
+        wanted = set(self.require.after_replace if replaced else self.require.after_repair)
+        return tuple(c for c in CHECK_ORDER if c in wanted)
