@@ -7,9 +7,14 @@
 #   MEDIC_PYTHON            the Python that has GPU Medic installed
 #   MEDIC_URL, MEDIC_TOKEN  where events go (or MEDIC_EVENTS_FILE for a JSON-lines file)
 #   MEDIC_DCGMI             dcgmi's path when it is not on the standard PATH
-#   MEDIC_HOOK_TIMEOUT_S    limit for one dcgmi run (default 120 s at level 1, 600 s at level 2)
-#   MEDIC_PROLOG_FAIL_CLOSED=1  a failed level-1 diagnostic fails the prolog (Slurm drains the
-#                               node and requeues the job)
+#   MEDIC_HOOK_TIMEOUT_S    limit for one dcgmi run in the epilog and health check (default
+#                           120 s at level 1, 600 s at level 2)
+#   MEDIC_PROLOG_BUDGET_S   the prolog's whole preflight: quick checks, then DCGM level 1 (30 s)
+#   MEDIC_EXPECTED_GPUS     GPUs this node should have (0: none, NVML may be absent); unset: not checked
+#   MEDIC_PROLOG_FAIL_CLOSED=1  a failed preflight drains the node with our reason
+#                               (`medic: preflight <check>: <detail>`) and fails the prolog, so
+#                               Slurm requeues the job
+#   SLURM_CONF              slurm.conf for that drain, when scontrol does not find it by itself
 # Keep the file root-only (chmod 600): it holds the token.
 #
 # Anything that keeps the hook itself from running exits 0: a non-zero Prolog or Epilog drains
@@ -46,7 +51,7 @@ if [ -z "$python" ] || ! command -v "$python" >/dev/null 2>&1; then
 fi
 "$python" -m apps.hooks "$phase"
 status=$?
-# 10 is apps.hooks' "the diagnostic failed and the prolog fails closed"; any other failure is
+# 10 is apps.hooks' "the preflight failed and the prolog fails closed"; any other failure is
 # the hook's own (GPU Medic not installed for this Python, a crash) and must not drain the node.
 case $status in
   0) exit 0 ;;
