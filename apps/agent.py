@@ -30,6 +30,7 @@ from integrations.nvml import (
     Unavailable,
 )
 from integrations.sinks import EventSink
+from medic.ageing import COUNTERS_ATTRIBUTE
 from medic.events import EventKind, FaultEvent
 from medic.facts import NVLINK_ERRORS_CHECK, SXID_CHECK
 
@@ -131,6 +132,7 @@ class Agent:
         self.nvlinks_down: dict[str, frozenset[int]] = {}
         self.nvlink_errors: dict[str, dict[str, int]] = {}  # GPU -> counters at the last report
         self.sightings: deque[_Sighting] = deque()
+        self.counters: dict[int, dict[str, int]] = {}  # GPU index -> its counters at this poll
 
     # -- one poll ---------------------------------------------------------------------------
 
@@ -141,8 +143,11 @@ class Agent:
         kernel_xids, kernel_sxids = self._kernel_lines()
         events = self._nvml_failed(snapshot)
         nvml_xids: tuple[NvmlXid, ...] = ()
+        # This poll's counters only: a stale reading must not ride on a later event.
+        self.counters = {}
         if isinstance(snapshot, NodeSnapshot):
             self.pci_to_gpu = snapshot.gpu_by_pci()
+            self.counters = {g.index: g.counters() for g in snapshot.gpus if not g.lost}
             nvml_xids = snapshot.xids
             if self._line_pending(kernel_xids, nvml_xids):
                 self.sleep(KERNEL_LINE_GRACE_S)
@@ -453,6 +458,9 @@ class Agent:
     # -- events -----------------------------------------------------------------------------
 
     def _event(self, kind: EventKind, gpu: int | None = None, **attributes: Any) -> FaultEvent:
+        # Every event about a GPU carries its counters: the readings hardware ageing trends.
+        if gpu is not None:
+            attributes.setdefault(COUNTERS_ATTRIBUTE, self.counters.get(gpu) or None)
         return FaultEvent(
             id=f"agent-{uuid.uuid4().hex}",
             time=datetime.now(UTC),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from medic import dcgm_errors, xid
+from medic.ageing import PastIncident
 from medic.context import EMPTY, Context
 from medic.dcgm_errors import Severity
 from medic.events import EventKind, FaultEvent
@@ -65,6 +66,8 @@ class Facts:
     nvlink_errors: int = 0  # NVLink error counter rises the incident's events reported
     sxids: frozenset[int] = frozenset()  # NVSwitch SXid codes
     sxid_severities: frozenset[str] = frozenset()  # "fatal" and/or "non_fatal"
+    # The node's earlier incidents as far back as `gpu_incidents` conditions look (oldest first).
+    gpu_history: tuple[PastIncident, ...] = ()
 
     @property
     def latest_diagnostic(self) -> DiagnosticFact | None:
@@ -93,9 +96,11 @@ def facts_of(
     out_of_service: bool = False,
     now: datetime | None = None,
     context: Context = EMPTY,
+    gpu_history: tuple[PastIncident, ...] = (),
 ) -> Facts:
     """Distil an incident. `now` ends every time window (defaults to the incident's last event);
-    `context` holds recent events from the rest of the cluster for cross-node conditions."""
+    `context` holds recent events from the rest of the cluster for cross-node conditions;
+    `gpu_history` the node's earlier incidents, for `gpu_incidents`."""
     now = now or incident.last_at
     xids: set[int] = set()
     dcgm_names: set[str] = set()
@@ -176,6 +181,7 @@ def facts_of(
         nvlink_errors=nvlink_errors,
         sxids=frozenset(sxids),
         sxid_severities=frozenset(sxid_severities),
+        gpu_history=gpu_history,
     )
 
 

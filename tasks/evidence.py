@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from datetime import datetime, timedelta
 
+from medic.ageing import PastIncident
 from medic.context import Context
 from medic.facts import HISTORY_WINDOW, facts_of
 from medic.incidents import Incident, Scope, Storms
@@ -33,6 +34,16 @@ def load_incident(rt: Runtime, incident_id: str) -> Incident:
         h for h in rt.store.node_history(record.node, since) if h.attributes.get("incident") != incident_id
     ]
     return incident
+
+
+def gpu_history(rt: Runtime, incident: Incident, policy: Policy, now: datetime) -> tuple[PastIncident, ...]:
+    """The node's earlier incidents that named a GPU, as far back as the policy's `gpu_incidents`
+    conditions look; none when no rule has one (and no query)."""
+    reach = policy.gpu_history_lookback()
+    if not reach or incident.scope != "node":
+        return ()
+    past = rt.store.past_incidents(now - reach, until=now, node=incident.node)
+    return tuple(p for p in past if p.gpus and p.id != incident.id)
 
 
 def record_diagnostic(rt: Runtime, incident_id: str, result: DiagnosticResult, note: str = "") -> None:
@@ -98,7 +109,13 @@ def evaluate(rt: Runtime, incident_id: str) -> Decision:
         fleet_size=len(nodes),
     )
     out_of_service = incident.scope == "node" and rt.backends.scheduler.node(incident.node).drained_by_medic
-    facts = facts_of(incident, out_of_service=out_of_service, now=now, context=context)
+    facts = facts_of(
+        incident,
+        out_of_service=out_of_service,
+        now=now,
+        context=context,
+        gpu_history=gpu_history(rt, incident, policy, now),
+    )
     state = fleet_state(rt, policy, now, nodes)
     decision = guardrails.apply(
         policy.guardrails, state, incident.node, decide(policy, facts, loaded.sha256), incident.scope

@@ -68,6 +68,7 @@ class ShimState:
     count: int = 8
     init_rc: int = 0
     call_rc: int = 0
+    init_sleep_ms: int = 0
     gpus: dict[int, dict[str, int]] = field(default_factory=dict)
     rcs: list[tuple[str, int, int | None]] = field(default_factory=list)
     xids: list[tuple[int, int]] = field(default_factory=list)
@@ -94,6 +95,7 @@ class ShimState:
 
     def text(self) -> str:
         lines = [f"count {self.count}", f"init_rc {self.init_rc}", f"call_rc {self.call_rc}"]
+        lines.append(f"init_sleep_ms {self.init_sleep_ms}")
         lines += [
             f"gpu {i} {key} {value}" for i, values in self.gpus.items() for key, value in values.items()
         ]

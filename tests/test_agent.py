@@ -23,6 +23,7 @@ from apps.server.decode import decode
 from integrations.kernel_log import KernelLog
 from integrations.nvml import EccCounts, GpuSnapshot, NodeSnapshot, NvmlXid, PcieLink, RowRemap, Unavailable
 from integrations.sinks import FileSink, HttpSink
+from medic.ageing import TREND_PER_DAY
 from medic.events import EventKind, FaultEvent
 from medic.intake import read_file
 
@@ -34,6 +35,14 @@ XID_13 = (
 
 
 # -- in process: the change rules -----------------------------------------------------------
+
+# What `gpu()` below reads: the counters every event about one of its GPUs carries.
+HEALTHY_COUNTERS = {
+    "ecc_corrected": 0,
+    "ecc_uncorrected": 0,
+    "row_remap_corrected": 0,
+    "row_remap_uncorrected": 0,
+}
 
 
 def gpu(index: int, **changes: Any) -> GpuSnapshot:
@@ -159,6 +168,12 @@ def test_uncorrected_ecc_rising_is_reported_once(rig: Rig) -> None:
         "row_remap_pending": False,
         "row_remap_failure": False,
         "uuid": "GPU-2",
+        "counters": {
+            "ecc_corrected": 35,
+            "ecc_uncorrected": 3,
+            "row_remap_corrected": 0,
+            "row_remap_uncorrected": 0,
+        },
     }
     assert rig.poll() == rig.poll() == []  # nothing new (the last poll's snapshot is unchanged)
     assert rig.poll(node(gpu(2, ecc=EccCounts(9, 3, 36, 3)))) == []  # corrected errors alone: no event
@@ -210,6 +225,29 @@ def test_nvlink_error_counters_are_reported_once_they_rise_enough(rig: Rig) -> N
     assert event.attributes["recovery"] == 1
     assert rig.poll() == []  # counters cleared (a reset): a new baseline, not a fault
     assert rig.poll(node(gpu(1, nvlink_errors={"replay": 3}))) == []
+
+
+def test_events_about_a_gpu_carry_its_counters_of_this_poll(rig: Rig) -> None:
+    worn = gpu(
+        4,
+        ecc=EccCounts(0, 0, 120, 0),
+        row_remap=RowRemap(3, 0, False, False),
+        nvlink_errors={"replay": 9, "crc_flit": 40, "crc_data": 2},
+    )
+    rig.poll(node(worn))
+    event = one(rig.poll(node(worn), XID_79.format(pci=pci_bus_id(4))))
+    assert (event.kind, event.gpu) == (EventKind.XID, 4)
+    assert event.attributes["counters"] == {
+        "ecc_corrected": 120,
+        "ecc_uncorrected": 0,
+        "row_remap_corrected": 3,
+        "row_remap_uncorrected": 0,
+        "nvlink_crc": 42,
+    }
+    assert set(event.attributes["counters"]) <= set(TREND_PER_DAY)  # the names hardware ageing trends
+    rig.agent.next_nvml_at = rig.clock.now + 60  # NVML backing off: this poll read no counters
+    event = one(rig.poll(None, XID_13.format(pci=pci_bus_id(4))))
+    assert event.gpu == 4 and "counters" not in event.attributes
 
 
 def test_kernel_log_sxids_become_health_checks(rig: Rig) -> None:
@@ -326,6 +364,7 @@ def test_kernel_log_xids_map_to_gpus_and_storms_become_one_event(rig: Rig) -> No
         "via": "kernel_log",
         "pci_bus_id": pci_bus_id(4),
         "message": "GPU has fallen off the bus.",
+        "counters": HEALTHY_COUNTERS,
     }
     assert (events[1].attributes["pid"], events[1].attributes["process"]) == (4412, "python3")
     assert events[2].attributes["pci_bus_id"] == "0000:99:00"
@@ -568,7 +607,10 @@ def test_an_nvml_xid_becomes_an_event(agent: AgentProcess) -> None:
     agent.state.xid(6, 48)
     agent.wait_events(1)
     [xid] = agent.events()
-    assert (xid.gpu, xid.attributes) == (6, {"code": 48, "via": "nvml", "pci_bus_id": pci_bus_id(6)})
+    assert (xid.gpu, xid.attributes) == (
+        6,
+        {"code": 48, "via": "nvml", "pci_bus_id": pci_bus_id(6), "counters": HEALTHY_COUNTERS},
+    )
 
 
 def test_a_lost_gpu_is_a_gpu_missing_event(agent: AgentProcess) -> None:

@@ -15,10 +15,11 @@ from factories import fault_event
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from medic.ageing import PastIncident
 from medic.context import Context
 from medic.events import EventKind, FaultEvent
 from medic.facts import Facts, facts_of
-from medic.incidents import correlate
+from medic.incidents import Incident, correlate
 from medic.policy import Action, Decision, Policy, decide, load_policy
 from medic.policy.engine import MAX_LEVEL, diagnose_level, match
 from medic.policy.loader import parse_policy
@@ -77,6 +78,10 @@ rules:
      at_least: 2, within_minutes: 1440}]}, then: {classification: hardware, action: diagnose, diagnose_level: 3}}
   - {id: switch, description: sw, override: true, when: {switch: {kinds: [nccl_timeout], nodes_at_least: 2}},
      then: {classification: infrastructure, action: escalate}}
+  - {id: gpu-incidents, description: gi, when: {gpu_incidents: {at_least: 2, within_days: 1, distinct_jobs_at_least: 2}},
+     then: {classification: hardware, action: replace, approve: true}}
+  - {id: gpu-incidents-any-job, description: gij, priority: 3, when: {gpu_incidents: {at_least: 3}, not_kinds: [ecc]},
+     then: {classification: software, action: reboot}}
 """,
     "every-condition.yaml",
 )
@@ -164,6 +169,22 @@ def events(draw: st.DrawFn) -> list[FaultEvent]:
     return made
 
 
+def facts_in_turn(
+    policy: Policy, incidents: list[Incident], out_of_service: bool, context: Context
+) -> list[Facts]:
+    """Each incident's facts with its node's earlier incidents as history, each classified by its
+    own decision (`software` ones, which `gpu_incidents` leaves out, too), as `medic triage` does."""
+    history: dict[str, list[PastIncident]] = {}
+    made = []
+    for incident in incidents:
+        past = history.setdefault(incident.node, [])
+        facts = facts_of(incident, out_of_service=out_of_service, context=context, gpu_history=tuple(past))
+        made.append(facts)
+        if facts.gpus:
+            past.append(PastIncident.of(incident, decide(policy, facts, SHA).classification.value))
+    return made
+
+
 def reference(policy: Policy, facts: Facts, sha: str) -> Decision:
     """The decision by the letter of docs/policy.md: every rule evaluated in full, then ranked."""
     matched = []
@@ -211,8 +232,9 @@ def reference(policy: Policy, facts: Facts, sha: str) -> Decision:
 def test_compiled_decisions_equal_the_reference(stream, out_of_service, context_too):
     context = Context(stream, switch_sizes={"leaf-1": 2, "leaf-2": 2}) if context_too else Context()
     for policy in (DEFAULT, EVERY_CONDITION):
-        for incident in correlate(stream, storms=policy.storms()):
-            facts = facts_of(incident, out_of_service=out_of_service, context=context)
+        for facts in facts_in_turn(
+            policy, correlate(stream, storms=policy.storms()), out_of_service, context
+        ):
             assert decide(policy, facts, SHA) == reference(policy, facts, SHA)
 
 
@@ -224,8 +246,7 @@ def test_the_generated_incidents_reach_every_rule():
     @given(stream=events(), out_of_service=st.booleans())
     def collect(stream, out_of_service):
         context = Context(stream, switch_sizes={"leaf-1": 2, "leaf-2": 2})
-        for incident in correlate(stream):
-            facts = facts_of(incident, out_of_service=out_of_service, context=context)
+        for facts in facts_in_turn(EVERY_CONDITION, correlate(stream), out_of_service, context):
             seen.update(decide(EVERY_CONDITION, facts, SHA).matched)
 
     collect()

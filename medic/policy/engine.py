@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from medic import xid as xid_catalog
 from medic.events import EventKind, FaultEvent
@@ -158,6 +158,12 @@ def _window_end(f: Facts) -> datetime:
     return min(max(faults), f.now) if faults else f.now
 
 
+def window(f: Facts, within: timedelta) -> tuple[datetime, datetime]:
+    """The stretch of the cluster's events a windowed condition looking back `within` reads."""
+    end = _window_end(f)
+    return end - within, end
+
+
 def _has_signature(sig: Signature, event: FaultEvent) -> bool:
     if event.kind is EventKind.XID and sig.xid:
         return event.attributes["code"] in sig.xid
@@ -168,8 +174,7 @@ def _one_count(cond: CountCondition, f: Facts) -> str | None:
     anchors = [e for e in f.events if _has_signature(cond, e)]
     if not anchors:
         return None
-    end = _window_end(f)
-    start = end - timedelta(minutes=cond.within_minutes)
+    start, end = window(f, timedelta(minutes=cond.within_minutes))
     kinds = cond.event_kinds()
     if len(anchors) + f.context.count(kinds, start, end) < cond.at_least:
         return None  # not enough events of these kinds at all: skip the careful count
@@ -240,8 +245,7 @@ def _switch(when: When, f: Facts) -> str | None:
     assert cond is not None
     if f.switch is None:
         return None
-    end = _window_end(f)
-    start = end - timedelta(minutes=cond.within_minutes)
+    start, end = window(f, timedelta(minutes=cond.within_minutes))
     own = {e.node for e in f.events if e.kind in cond.kinds and start <= e.time <= end}
     if not own:
         return None
@@ -259,6 +263,21 @@ def _switch(when: When, f: Facts) -> str | None:
     of = f" of {size}" if size else ""
     kinds = "/".join(k.value for k in cond.kinds)
     return f"{len(nodes)}{of} nodes under {f.switch} report {kinds} within {cond.within_minutes} min"
+
+
+def _gpu_incidents(when: When, f: Facts) -> str | None:
+    cond = when.gpu_incidents
+    assert cond is not None
+    start = f.now - timedelta(days=cond.within_days)
+    for gpu in f.gpus:
+        past = [
+            p for p in f.gpu_history if gpu in p.gpus and p.blames_hardware and start <= p.opened_at <= f.now
+        ]
+        jobs = sorted(set(f.jobs).union(*(p.jobs for p in past)))
+        if len(past) + 1 >= cond.at_least and len(jobs) >= cond.distinct_jobs_at_least:
+            across = f" across {len(jobs)} jobs ({', '.join(jobs)})" if jobs else ""
+            return f"{len(past) + 1} incidents on GPU {gpu} within {cond.within_days} days{across}"
+    return None
 
 
 # Cheap, selective checks first: most rules fail on their first condition.
@@ -281,6 +300,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("recent_remediations_at_most", _recent_at_most),
     ("min_events", _min_events),
     ("not_kinds", _not_kinds),
+    ("gpu_incidents", _gpu_incidents),
     # Windowed counts scan the cluster's recent events: last, once everything cheap has held.
     ("switch", _switch),
     ("count", _count),
@@ -349,45 +369,12 @@ def _test(name: str, when: When, check: Check) -> FactTest:
         case "min_events":
             events = when.min_events or 0
             return lambda f: f.event_count >= events
-        case "count":
-            return _count_test(when)
+        case "gpu_incidents":
+            assert when.gpu_incidents is not None
+            least = when.gpu_incidents.at_least
+            # Most nodes have no history: skip the count unless enough incidents exist at all.
+            return lambda f: len(f.gpu_history) + 1 >= least and check(when, f) is not None
     return lambda f: check(when, f) is not None
-
-
-# Before any time: with `now`, a span that holds every window a decision at `now` can look at.
-_DAWN = datetime.min.replace(tzinfo=UTC)
-
-
-def _count_test(when: When) -> FactTest:
-    """`count`, tested cheaply first: the incident's events and the context's of the signature's
-    kinds up to `now` must be enough at all (no event looked at one by one); then each signature
-    must be on one of the incident's events, and its kinds have enough events in the window,
-    before the careful count runs."""
-    quick = []
-    for cond in when.count or ():
-        codes, kinds = frozenset(cond.xid or ()), frozenset(cond.kinds or ())
-        quick.append(
-            (codes, kinds, cond.event_kinds(), timedelta(minutes=cond.within_minutes), cond.at_least)
-        )
-
-    def test(f: Facts) -> bool:
-        end = None
-        for codes, kinds, event_kinds, within, at_least in quick:
-            if f.event_count + f.context.count(event_kinds, _DAWN, f.now) < at_least:
-                return False
-            anchors = sum(
-                1
-                for e in f.events
-                if (e.attributes["code"] in codes if codes and e.kind is EventKind.XID else e.kind in kinds)
-            )
-            if not anchors:
-                return False
-            end = end or _window_end(f)
-            if anchors + f.context.count(event_kinds, end - within, end) < at_least:
-                return False
-        return _count(when, f) is not None
-
-    return test
 
 
 def _all(tests: tuple[FactTest, ...]) -> FactTest | None:

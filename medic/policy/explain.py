@@ -73,5 +73,6 @@ def describe(facts: Facts) -> dict[str, str]:
         "gpus": ", ".join(map(str, facts.gpus)),
         "out of service": "yes" if facts.out_of_service else "",
         "remediations in 7 days": str(facts.recent_remediations) if facts.recent_remediations else "",
+        "earlier gpu incidents": str(len(facts.gpu_history)) if facts.gpu_history else "",
     }
     return {k: v for k, v in shown.items() if v}

@@ -28,6 +28,7 @@ from medic.errors import PermanentError
 from medic.events import EventKind
 from medic.incidents import StormRule, Storms
 from medic.policy.approvers import APPROVER_PATTERN, check_entry
+from medic.policy.deep_checks import DeepChecks
 from medic.xid import RecoveryAction, Resolution
 
 # Windows, gaps and cooldowns are bounded: a duration of a year is already beyond any rule's
@@ -164,6 +165,17 @@ class SwitchCondition(_Strict):
         return self
 
 
+class GpuIncidentsCondition(_Strict):
+    """The same GPU in incident after incident, across jobs: the hardware ageing, not the code.
+
+    Counts the incidents that named one of the incident's GPUs (node and index) in the last
+    `within_days`, this one included; those the policy called `software` do not count."""
+
+    at_least: PositiveInt
+    within_days: int = Field(14, gt=0, le=MAX_MINUTES // 1440)
+    distinct_jobs_at_least: PositiveInt = Field(1, description="Different jobs among those incidents.")
+
+
 class When(_Strict):
     """All conditions given must hold; a rule with an empty `when` never matches."""
 
@@ -208,6 +220,9 @@ class When(_Strict):
     min_events: PositiveInt | None = None
     count: list[CountCondition] | None = Field(None, description="Windowed counts; all must hold.")
     switch: SwitchCondition | None = None
+    gpu_incidents: GpuIncidentsCondition | None = Field(
+        None, description="Incidents on the same GPU within days, across jobs (docs/fleet-health.md)."
+    )
 
     def is_empty(self) -> bool:
         return all(value is None for value in self.model_dump().values())
@@ -348,6 +363,10 @@ class Policy(_Strict):
     )
     guardrails: Guardrails = Field(default_factory=Guardrails)
     approvals: Approvals = Field(default_factory=Approvals)
+    deep_checks: DeepChecks = Field(
+        default_factory=DeepChecks,
+        description="Node shapes and the checks a node passes before it returns to service (docs/deep-checks.md).",
+    )
     rules: list[Rule]
 
     def lookback(self) -> timedelta:
@@ -355,6 +374,17 @@ class Policy(_Strict):
         minutes = [c.within_minutes for r in self.rules for c in r.when.count or ()]
         minutes += [r.when.switch.within_minutes for r in self.rules if r.when.switch]
         return timedelta(minutes=max(minutes, default=60))
+
+    def gpu_history_lookback(self) -> timedelta:
+        """How far back `gpu_incidents` conditions look at the node's earlier incidents (0: none)."""
+        days = [r.when.gpu_incidents.within_days for r in self.rules if r.when.gpu_incidents]
+        return timedelta(days=max(days, default=0))
+
+    def context_kinds(self) -> frozenset[EventKind]:
+        """The kinds of events cross-node conditions look at: all a decision reads of the context."""
+        kinds = {k for r in self.rules for c in r.when.count or () for k in c.event_kinds()}
+        kinds.update(k for r in self.rules if r.when.switch for k in r.when.switch.kinds)
+        return frozenset(kinds)
 
     def storms(self, switch_sizes: Mapping[str, int] | None = None) -> Storms:
         """What correlation makes one switch-wide incident: the events the rules' `switch` conditions count."""

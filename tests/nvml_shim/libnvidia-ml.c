@@ -11,6 +11,7 @@
  *   driver VERSION             nvmlSystemGetDriverVersion
  *   init_rc RC                 what nvmlInitWithFlags / nvmlInit_v2 return (9: driver not loaded)
  *   call_rc RC                 forced on every call but init, shutdown and nvmlErrorString
+ *   init_sleep_ms MS           nvmlInitWithFlags takes this long first (a driver slow to answer)
  *   rc FUNCTION RC [GPU]       forced on one function (for one GPU only when GPU is given)
  *   gpu I KEY VALUE            per-GPU value; KEY is one of the names in `struct gpu` below
  *   xid GPU CODE               a pending XID critical-error event; each line is delivered once
@@ -22,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #define MAX_GPUS 64
 #define MAX_RC 64
@@ -48,6 +50,7 @@ struct gpu {
     unsigned long long reasons;
     unsigned pcie_gen, pcie_width, pcie_max_gen, pcie_max_width;
     unsigned nvlinks;
+    unsigned persistence;
     unsigned long long nvlink_down;
 };
 
@@ -73,6 +76,7 @@ static struct rc_override overrides[MAX_RC];
 static struct xid xids[MAX_XIDS];
 static unsigned gpu_count, n_overrides, n_xids, xids_delivered;
 static nvmlReturn_t init_rc, call_rc;
+static unsigned init_sleep_ms;
 static char driver[80];
 static struct stat loaded;
 static int have_loaded;
@@ -91,6 +95,7 @@ static void defaults(void) {
     gpu_count = 8;
     n_overrides = n_xids = 0;
     init_rc = call_rc = NVML_SUCCESS;
+    init_sleep_ms = 0;
     snprintf(driver, sizeof driver, "550.54.15");
     for (unsigned i = 0; i < MAX_GPUS; i++) {
         memset(&gpus[i], 0, sizeof gpus[i]);
@@ -100,6 +105,7 @@ static void defaults(void) {
         gpus[i].pcie_gen = gpus[i].pcie_max_gen = 5;
         gpus[i].pcie_width = gpus[i].pcie_max_width = 16;
         gpus[i].nvlinks = 18;
+        gpus[i].persistence = 1; /* enabled */
         devices[i].index = i;
     }
 }
@@ -126,6 +132,7 @@ static int set_gpu_value(struct gpu *g, const char *key, unsigned long long v) {
         {"pcie_max_gen", &g->pcie_max_gen, 0},
         {"pcie_max_width", &g->pcie_max_width, 0},
         {"nvlinks", &g->nvlinks, 0},
+        {"persistence", &g->persistence, 0},
         {"nvlink_down", &g->nvlink_down, 1},
     };
     for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++) {
@@ -156,6 +163,8 @@ static void parse(FILE *f) {
             ;
         else if (sscanf(line, "init_rc %llu", &a) == 1)
             init_rc = (nvmlReturn_t)a;
+        else if (sscanf(line, "init_sleep_ms %llu", &a) == 1)
+            init_sleep_ms = (unsigned)a;
         else if (sscanf(line, "call_rc %llu", &a) == 1)
             call_rc = (nvmlReturn_t)a;
         else if (sscanf(line, "gpu %d %95s %llu", &gpu, key, &a) == 3 && gpu >= 0 && gpu < MAX_GPUS)
@@ -235,6 +244,8 @@ nvmlReturn_t nvmlInitWithFlags(unsigned flags) {
     (void)flags;
     calls++;
     refresh();
+    if (init_sleep_ms)
+        usleep(init_sleep_ms * 1000U);
     return init_rc;
 }
 
@@ -370,6 +381,12 @@ nvmlReturn_t nvmlDeviceGetCurrentClocksThrottleReasons(struct device *d, unsigne
 nvmlReturn_t nvmlDeviceGetPowerUsage(struct device *d, unsigned *milliwatts) {
     ENTER(d);
     *milliwatts = gpus[d->index].power_mw;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetPersistenceMode(struct device *d, int *mode) {
+    ENTER(d);
+    *mode = (int)gpus[d->index].persistence;
     return NVML_SUCCESS;
 }
 
