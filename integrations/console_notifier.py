@@ -22,7 +22,8 @@ class ConsoleNotifier(RecordingNotifier):
 
     def post(self, message: Message) -> str:
         ref = super().post(message)
-        self._write(f"[medic {ref}] {message.channel}: {message.title}\n{message.body}")
+        files = "".join(f"\n{a.what}: {a.path}" for a in message.artifacts)
+        self._write(f"[medic {ref}] {message.channel}: {message.title}\n{message.body}{files}")
         return ref
 
     def reply(self, thread: str, text: str) -> None:

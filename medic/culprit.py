@@ -6,6 +6,7 @@ Between validation and correlation, events pass through here:
 - collective timeouts that say where their rank was are held for the hang attributor
   (medic/hangs.py) and come out as their culprit's event, or as they came when no rank stands out;
   a rank's own stall report is kept as evidence for it (its stack dump, where it stopped);
+- a rank's own profile report is kept for the stragglers named about it (medic/profiles.py);
 - every event, derived ones too, gets its node's leaf switch from the topology where it names none.
 
 Pure and deterministic: the same events give the same events out, with the same ids.
@@ -19,6 +20,7 @@ from datetime import datetime, timedelta
 from medic.events import FaultEvent
 from medic.hangs import SETTLE, HangAttributor
 from medic.peers import Member, PeerDetector, Thresholds, timings_of
+from medic.profiles import Profiles, is_profile
 from medic.topology import Topology
 
 
@@ -34,6 +36,7 @@ class Differential:
         # Ranks' places, from any event that names job and rank: what names a culprit that never reported.
         self.members: dict[tuple[str, int], Member] = self.peers.members
         self.hangs = HangAttributor(self.members, settle)
+        self.profiles = Profiles()
 
     def push(self, event: FaultEvent) -> list[FaultEvent]:
         """The events to correlate now that `event` came (time order is the caller's)."""
@@ -45,11 +48,13 @@ class Differential:
             out += self.peers.push(event)
         elif self.hangs.is_stall(event):
             self.hangs.stalled(event)
+        elif is_profile(event):
+            self.profiles.keep(event)
         elif self.hangs.takes(event):
             self.hangs.push(event)
         else:
             out.append(event)
-        return [self.topology.place(e) for e in out]
+        return [self.topology.place(self.profiles.attach(e)) for e in out]
 
     def due(self, now: datetime) -> list[FaultEvent]:
         """Held timeouts whose settling time has passed by `now` (a live service's timer)."""

@@ -2,22 +2,26 @@
 
 Three launches of ~15-20 s each on 2 cores, each triaged with the default policy as `medic triage`
 reads a file: (a) one rank 30% slower, (b) one rank hung before a collective, (c) every rank slower
-together. Ranks 0-1 are `node-a`, ranks 2-3 `node-b`.
+together. Ranks 0-1 are `node-a`, ranks 2-3 `node-b`. Each rank may profile itself (the job's
+default: 3 steps once its own work slows), and the slow rank's trace is the deep look at it.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 from torchrun_support import Run, torchrun
 
+from medic.artifacts import Artifact, artifacts_of
 from medic.events import EventKind, FaultEvent
 from medic.intake import read_file
 from medic.peers import TIMINGS_CHECK
 from medic.policy import load_policy
 from medic.policy.model import Action
+from medic.profiles import PROFILE_CHECK
 from medic.triage import Replayed, replay, stream
 from medic.triage import read_file as read_streaming
 
@@ -43,6 +47,10 @@ def decided(run: Run) -> list[Replayed]:
 
 def acted_on(results: list[Replayed]) -> set[str]:
     return {r.incident.node for r in results if r.decision.action is not Action.NONE}
+
+
+def profiles(run: Run) -> list[FaultEvent]:
+    return [e for e in run.fault_events() if e.attributes.get("check") == PROFILE_CHECK]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +86,7 @@ def slow_job(tmp_path_factory: pytest.TempPathFactory) -> Run:
 
 def test_one_slow_rank_names_only_its_node(slow_rank: Run) -> None:
     raw = slow_rank.fault_events()
-    assert {e.attributes["check"] for e in raw} == {TIMINGS_CHECK}  # no rank judged itself
+    assert {e.attributes["check"] for e in raw} == {TIMINGS_CHECK, PROFILE_CHECK}  # no rank named itself
     results = decided(slow_rank)
     assert acted_on(results) == {"node-b"}
     [incident] = [r for r in results if r.incident.node == "node-b"]
@@ -87,6 +95,27 @@ def test_one_slow_rank_names_only_its_node(slow_rank: Run) -> None:
     assert {(e.rank, e.attributes["detector"]) for e in stragglers} == {(2, "peer")}
     assert all(e.attributes["step_time_ratio"] >= 1.2 for e in stragglers)
     assert all(e.iteration is not None and e.iteration >= ONSET for e in stragglers)
+
+
+def test_the_slow_rank_alone_profiled_itself_and_its_incident_names_the_trace(slow_rank: Run) -> None:
+    # The others waited for it in every step, but their own work did not slow: none profiled itself.
+    [profile] = profiles(slow_rank)
+    assert (profile.rank, profile.attributes["reason"]) == (2, "slowdown")
+    first, last = profile.attributes["first_step"], profile.attributes["last_step"]
+    assert first > ONSET and last - first + 1 == 3  # the job's default: the next 3 steps
+    assert 1.2 <= profile.attributes["slowdown_ratio"] <= 1.4
+    path = profile.attributes["artifact"]
+    trace = json.loads(Path(path).read_text())  # a Chrome trace, as chrome://tracing and Perfetto read it
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {f"ProfilerStep#{step}" for step in range(first, last + 1)} <= names
+    assert any("linear" in str(name) for name in names)  # the model's own operators
+    # The evidence of node-b's incident names the trace, and so does its message.
+    [incident] = [r.incident for r in decided(slow_rank) if r.incident.node == "node-b"]
+    stragglers = [e for e in incident.events if e.kind is EventKind.STRAGGLER]
+    assert {(e.attributes["artifact"], e.attributes["profile_event"]) for e in stragglers} == {
+        (path, profile.id)
+    }
+    assert artifacts_of(incident.events) == (Artifact("profile of rank 2 on node-b", path),)
 
 
 def test_the_streaming_triage_finds_the_same_culprit(slow_rank: Run) -> None:
@@ -122,6 +151,9 @@ def test_a_hung_rank_is_named_and_the_reporters_are_victims(hung_rank: Run) -> N
 
 def test_a_whole_job_slowing_blames_nobody(slow_job: Run) -> None:
     assert decided(slow_job) == []
+    # Each rank's own work slowed, so each took one profile: the peers, not a rank alone, can tell
+    # a slower job from a slower GPU. The profiles are telemetry: they opened no incident above.
+    assert sorted(e.rank for e in profiles(slow_job)) == [0, 1, 2, 3]
 
 
 def test_time_to_detect(slow_rank: Run) -> None:

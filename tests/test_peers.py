@@ -14,6 +14,7 @@ from medic.culprit import differential
 from medic.events import EventKind, FaultEvent
 from medic.intake import read_lines
 from medic.peers import TIMINGS_CHECK, PeerDetector, Thresholds, detect, judge, timings_of
+from medic.profiles import LOOKBACK
 
 JOB, WORLD, EVERY = "llm", 8, 10
 NODE_OF = {rank: f"gpu-{rank // 4:03d}" for rank in range(WORLD)}  # 4 ranks per node
@@ -166,6 +167,41 @@ def test_an_input_without_reports_comes_out_as_it_went_in() -> None:
     events = [fault_event("nccl_timeout", job=JOB, rank=r, seconds=r) for r in range(3)]
     events.append(fault_event("straggler", job=JOB, rank=1, seconds=9))
     assert differential(events) == events
+
+
+def profile_report(rank: int, seconds: float) -> FaultEvent:
+    """What a rank's hooks report once its own profile is written (medic_hooks.MedicHooks.profiled)."""
+    artifact = f"/shared/medic/{JOB}-r{rank}-step4-profile.pt.trace.json"
+    attributes = {
+        "check": "profile",
+        "artifact": artifact,
+        "reason": "slowdown",
+        "first_step": 4,
+        "last_step": 6,
+    }
+    return fault_event(
+        "health_check",
+        node=NODE_OF[rank],
+        job=JOB,
+        rank=rank,
+        seconds=seconds,
+        source="job",
+        attributes=attributes,
+    )
+
+
+def test_a_rank_s_profile_is_no_incident_and_goes_with_the_straggler_named_about_it() -> None:
+    mine, another = profile_report(5, seconds=8), profile_report(2, seconds=9)
+    out = differential([mine, another, *reports(40, slow={5: 1.3})])
+    assert out and all(e.kind is EventKind.STRAGGLER and e.rank == 5 for e in out)
+    assert {(e.attributes["artifact"], e.attributes["profile_event"]) for e in out} == {
+        (mine.attributes["artifact"], mine.id)
+    }
+
+
+def test_a_profile_from_long_before_is_no_evidence_of_this_slowdown() -> None:
+    out = differential([profile_report(5, seconds=-LOOKBACK.total_seconds()), *reports(40, slow={5: 1.3})])
+    assert out and all("artifact" not in e.attributes for e in out)
 
 
 # --- The hooks' side: what a rank reports (deployments/training/medic_hooks.py) -------------------

@@ -11,7 +11,8 @@ import logging
 import time
 import traceback
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import replace
+from pathlib import Path, PurePosixPath
 from urllib.parse import urlencode
 
 import pytest
@@ -42,6 +43,7 @@ from integrations.slack.notifier import (
     split_thread,
 )
 from integrations.slack.signature import SignatureError, verify
+from medic.artifacts import Artifact, ArtifactLinks
 from medic.protocols import Message, Notifier
 from medic.store import Store
 from tasks.runtime import Runtime
@@ -163,6 +165,34 @@ def test_the_posted_blocks_show_title_body_fields_recommendations_link_and_incid
     assert sent["unfurl_links"] is False
 
 
+def test_evidence_files_are_links_where_served_and_paths_otherwise(slack_api: SlackApi) -> None:
+    served = "/shared/medic/llm-r2-step16-profile.pt.trace.json"
+    message = replace(
+        MESSAGE,
+        artifacts=(
+            Artifact("profile of rank 2 on node-b", served),
+            Artifact("stack dump of rank 3 on node-b", "/var/tmp/llm-r3-step12-stacks.txt"),
+        ),
+    )
+    notifier = SlackNotifier.from_env(
+        {
+            "SLACK_BOT_TOKEN": TOKEN,
+            "SLACK_API_URL": slack_api.api_url,
+            "MEDIC_ARTIFACT_ROOT": "/shared/medic",
+            "MEDIC_ARTIFACT_URL": "https://files.example/medic/",
+        }
+    )
+    assert notifier is not None
+    notifier.post(message)
+    (sent,) = posted(slack_api)
+    [files] = [b for b in sent["blocks"] if b.get("text", {}).get("text", "").startswith("*Evidence files*")]
+    assert files["text"]["text"] == (
+        "*Evidence files*\n"
+        "• <https://files.example/medic/llm-r2-step16-profile.pt.trace.json|profile of rank 2 on node-b>\n"
+        "• stack dump of rank 3 on node-b: `/var/tmp/llm-r3-step12-stacks.txt`"  # not served: its path
+    )
+
+
 # --- Block Kit limits ---
 
 
@@ -195,6 +225,21 @@ def test_oversized_messages_are_cut_to_block_kit_limits_without_splitting_entiti
     assert all(len(f["text"]) <= 2000 and _unescaped_whole(f["text"].removesuffix("…")) for f in fields)
     assert not [b for b in blocks if b["type"] == "actions"]  # a URL over 3000 characters is dropped
     assert len(fallback_text(big)) <= 4000
+
+
+def test_many_evidence_files_show_whole_links_as_far_as_they_fit() -> None:
+    many = tuple(Artifact(f"profile of rank {i} & co", f"/shared/{'d' * 150}/r{i}.json") for i in range(100))
+    links = ArtifactLinks(PurePosixPath("/shared"), "https://files.example")
+    [files] = message_blocks(
+        Message(incident="i", channel="#c", title="t", body="", artifacts=many), None, links
+    )[1:2]
+    text = files["text"]["text"]
+    *lines, more = text.splitlines()
+    assert len(text) <= SECTION_TEXT_MAX and lines[0] == "*Evidence files*"
+    assert more == f"… and {100 - len(lines) + 1} more"
+    assert all(
+        line.startswith("• <https://files.example/") and line.endswith("&amp; co>") for line in lines[1:]
+    )
 
 
 @pytest.mark.parametrize("limit", range(1, 12))

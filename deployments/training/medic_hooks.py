@@ -11,6 +11,11 @@ With `timings_every=N` the rank reports its step times every N steps instead of 
 rank enters each collective, tells its own work from its wait for the others and says, on a
 timeout, which collective it was in.
 
+With `hooks.profile_on_demand(directory)` the rank says when a short profile of it is worth taking:
+`hooks.profile_wanted()` hands the loop a `ProfileRequest` once its own work has slowed against its
+recent past, or once a request file for it appears in `directory`; the loop (which has torch) profiles
+the next steps into the request's path and calls `hooks.profiled(...)`, which reports it.
+
 Every event is a GPU Medic fault event (docs/events.md; the model is FaultEvent in medic/events.py),
 one JSON object per line, appended to a file or POSTed to a URL. Reporting never stops training:
 a failed HTTP delivery is logged only.
@@ -68,7 +73,7 @@ class Kind(StrEnum):
 class Report(StrEnum):
     """The kinds a job sends that report how it runs rather than a fault (also EventKind values)."""
 
-    HEALTH_CHECK = "health_check"  # a step-timings report (check: step_timings)
+    HEALTH_CHECK = "health_check"  # check: step_timings, stall or profile
 
 
 def _kind(value: object) -> Kind | Report:
@@ -77,6 +82,9 @@ def _kind(value: object) -> Kind | Report:
 
 TIMINGS_CHECK = "step_timings"
 STALL_CHECK = "stall"
+PROFILE_CHECK = "profile"
+PROFILE_REQUEST_SUFFIX = ".profile-request"  # <job>-r<rank>.profile-request in the profile directory
+MAX_PROFILE_STEPS = 20  # nobody's request keeps a rank under the profiler for long
 FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 HEALTH_CHECK_PHASES = ("prolog", "epilog", "healthcheck")
 
@@ -258,6 +266,152 @@ def is_collective_timeout(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and any(word in str(error).lower() for word in TIMEOUT_WORDS)
 
 
+@dataclass(frozen=True, slots=True)
+class Slowdown:
+    """When a rank's own work has slowed: the median of its last `recent` steps is at least `ratio`
+    times the median of the `history` steps before them, once there are `min_history` of those and
+    their median is at least `min_step_s` (below that, timer and scheduler noise swamp any ratio).
+    A median of several steps: one slow step (a collection, a page fault) is no slowdown."""
+
+    ratio: float = 1.2  # the default policy's straggler ratio
+    recent: int = 5
+    history: int = 50
+    min_history: int = 10  # the first steps (warm-up, compilation) weigh little in ten
+    min_step_s: float = 0.02  # shorter steps are mostly launch overhead and scheduler noise
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.ratio) and self.ratio > 1):
+            raise ValueError(f"ratio: must be a finite number > 1, not {self.ratio!r}")
+        if not 1 <= self.min_history <= self.history or self.recent < 1:
+            raise ValueError(f"need recent >= 1 and 1 <= min_history <= history, not {self!r}")
+
+
+class SlowdownWatch:
+    """One rank's step times against its own recent past: a few operations a step."""
+
+    def __init__(self, rule: Slowdown) -> None:
+        self.rule = rule
+        self.recent: deque[float] = deque(maxlen=rule.recent)
+        self.history: deque[float] = deque(maxlen=rule.history)
+        self.slowed = False
+
+    def push(self, seconds: float) -> dict[str, float] | None:
+        """Take one step's time; the slowdown's figures while the recent steps are slower."""
+        # While slowed the baseline holds still: a slowdown seen in a cooldown is still one after it.
+        if len(self.recent) == self.rule.recent and not self.slowed:
+            self.history.append(self.recent[0])
+        self.recent.append(seconds)
+        found = self._judge()
+        self.slowed = found is not None
+        return found
+
+    def _judge(self) -> dict[str, float] | None:
+        if len(self.history) < self.rule.min_history or len(self.recent) < self.rule.recent:
+            return None
+        now = statistics.median(self.recent)
+        if now < self.rule.ratio * self.rule.min_step_s:
+            return None  # cheap way out first: nothing slow enough to weigh the history for
+        before = statistics.median(self.history)
+        if before < self.rule.min_step_s or now < self.rule.ratio * before:
+            return None
+        return {"slowdown_ratio": round(now / before, 4), "recent_median_s": now, "baseline_median_s": before}
+
+    def restart(self) -> None:
+        """Forget the past: the pace from now on is the new baseline."""
+        self.recent.clear()
+        self.history.clear()
+        self.slowed = False
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRequest:
+    """Profile this rank's next `steps` steps into `path` (a Chrome trace), then call `hooks.profiled`."""
+
+    path: Path
+    steps: int
+    reason: str  # "slowdown": its own work slowed; "requested": a request file asked for it
+    figures: dict[str, float] = field(default_factory=dict)  # the slowdown's, reported with the profile
+
+
+class ProfileTrigger:
+    """Decides when this rank's profile is worth taking; the loop takes it (see profile_on_demand)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        name: str,
+        steps: int,
+        cooldown_s: float,
+        slowdown: Slowdown,
+        poll_s: float,
+        clock: Callable[[], float],
+    ) -> None:
+        self.folder, self.name, self.steps = folder, name, steps
+        self.request_file = folder / f"{name}{PROFILE_REQUEST_SUFFIX}"
+        self.cooldown_s, self.poll_s, self.clock = cooldown_s, poll_s, clock
+        self.watch = SlowdownWatch(slowdown)
+        self.taking = False  # handed out and not reported yet: its steps carry the profiler's overhead
+        self.pending: dict[str, float] | None = None  # a slowdown seen, not handed out yet
+        self.last_at: float | None = None
+        self.poll_at = clock()
+
+    def observe(self, seconds: float) -> None:
+        if self.taking:
+            return  # profiled steps are slower by the profiler itself: no baseline, no trigger
+        found = self.watch.push(seconds)
+        if found is not None and self.pending is None:
+            cooled = self.last_at is None or self.clock() - self.last_at >= self.cooldown_s
+            if cooled:
+                self.pending = found
+
+    def wanted(self, next_step: int) -> ProfileRequest | None:
+        if self.taking:
+            return None
+        steps, reason, figures = self.steps, "slowdown", self.pending
+        now = self.clock()
+        if figures is None and now >= self.poll_at:
+            # A file system call every poll_s, not every step: on a shared one a stat can take ms.
+            self.poll_at = now + self.poll_s
+            asked = self._take_request()
+            if asked is not None:
+                steps, reason, figures = asked, "requested", {}
+        if figures is None:
+            return None
+        if reason == "slowdown":
+            self.watch.restart()  # one profile per slowdown: the slower pace is the baseline now
+        self.pending, self.taking, self.last_at = None, True, now
+        path = self.folder / f"{self.name}-step{next_step}-profile.pt.trace.json"
+        return ProfileRequest(path, steps, reason, figures)
+
+    def _take_request(self) -> int | None:
+        """The steps a request file asks for, taking it (one request, one profile); None without one."""
+        try:
+            text = self.request_file.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            log.warning("could not read the profile request %s: %s", self.request_file, error)
+            return None
+        try:
+            self.request_file.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as error:  # left in place it would ask again at every poll
+            log.error("cannot take the profile request %s (%s): requests are off", self.request_file, error)
+            self.poll_at = math.inf
+            return None
+        try:
+            asked = json.loads(text).get("steps", self.steps) if text.strip() else self.steps
+        except (ValueError, AttributeError):
+            asked = None
+        if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= MAX_PROFILE_STEPS:
+            log.warning(
+                "profile request %r: steps must be 1-%d; taking %d", text[:200], MAX_PROFILE_STEPS, self.steps
+            )
+            return self.steps
+        return asked
+
+
 class MedicHooks:
     def __init__(
         self,
@@ -300,6 +454,7 @@ class MedicHooks:
         self._entered_at: float | None = None  # perf_counter at the first collective of this step
         self._window: list[tuple[int, float, float | None]] = []  # (step, step time, compute time)
         self._progress_at = time.monotonic()  # the stall watch's one look at the loop: a float a step
+        self._profiles: ProfileTrigger | None = None
 
     def event(self, kind: Kind | Report | str, iteration: int | None = None, **attributes: Any) -> Event:
         """Build (and so validate) one event, deliver it and return it."""
@@ -336,9 +491,12 @@ class MedicHooks:
             events.append(self.event(Kind.NAN_LOSS, iteration=step, loss=str(loss)))
         if not math.isfinite(step_time):
             return events  # no measurement: neither a straggler nor part of the baseline
+        # Its own work: from the step's start (now - step_time) to its first collective.
+        compute = None if entered_at is None else max(0.0, entered_at - (time.perf_counter() - step_time))
+        if self._profiles is not None:
+            # Its own work, not its wait: a rank waiting for a slow peer has not slowed itself.
+            self._profiles.observe(step_time if compute is None else compute)
         if self.timings_every is not None:
-            # Its own work: from the step's start (now - step_time) to its first collective.
-            compute = None if entered_at is None else max(0.0, entered_at - (time.perf_counter() - step_time))
             self._window.append((step, step_time, compute))
             consecutive = self._window[-1][0] - self._window[0][0] == len(self._window) - 1
             if not consecutive:
@@ -383,7 +541,7 @@ class MedicHooks:
         for `after_s`, and report it: a hung rank rarely says anything else. Once per stalled step."""
         if not (math.isfinite(after_s) and after_s > 0):
             raise ValueError(f"after_s: must be a finite number > 0, not {after_s!r}")
-        folder = Path(directory)
+        folder = Path(directory).absolute()  # a path GPU Medic can use, whatever this rank's cwd
         folder.mkdir(parents=True, exist_ok=True)
         watch = threading.Thread(
             target=self._watch_stalls, args=(after_s, folder), name="medic-stall-watch", daemon=True
@@ -414,6 +572,57 @@ class MedicHooks:
                 )
             except Exception:  # reporting never stops training, a watch thread least of all
                 log.exception("could not report a stall of step %s", step)
+
+    def profile_on_demand(
+        self,
+        directory: Path | str,
+        *,
+        steps: int = 3,
+        cooldown_s: float = 1800.0,
+        slowdown: Slowdown | None = None,
+        poll_s: float = 5.0,
+    ) -> None:
+        """Let `profile_wanted()` ask for a profile of `steps` steps into `directory`: when this rank's
+        own work has slowed (`slowdown`), at most once per slowdown and per `cooldown_s`; and whenever
+        `<job>-r<rank>.profile-request` appears there (looked for every `poll_s`; it may hold
+        `{"steps": N}`, and is removed once taken)."""
+        if not 1 <= steps <= MAX_PROFILE_STEPS:
+            raise ValueError(f"steps: must be 1-{MAX_PROFILE_STEPS}, not {steps!r}")
+        if not (cooldown_s >= 0 and poll_s > 0 and math.isfinite(poll_s)):
+            raise ValueError(f"cooldown_s must be >= 0 and poll_s finite > 0, not {cooldown_s!r}, {poll_s!r}")
+        folder = Path(directory).absolute()  # a path GPU Medic can use, whatever this rank's cwd
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"{str(self.job)[:120]}-r{self.rank}"
+        self._profiles = ProfileTrigger(
+            folder, name, steps, cooldown_s, slowdown or Slowdown(), poll_s, self.clock
+        )
+
+    def profile_wanted(self) -> ProfileRequest | None:
+        """Call before each step: a request to profile the steps from the next one on, or None (cheap)."""
+        if self._profiles is None:
+            return None
+        return self._profiles.wanted((self.last_step or 0) + 1)
+
+    def profiled(self, request: ProfileRequest, first_step: int, last_step: int) -> Event | None:
+        """Report the profile `request` asked for once the loop has written it; a capture that wrote
+        nothing (it failed) is logged instead. Either way the next profile may be asked for."""
+        assert self._profiles is not None  # only profile_wanted() makes requests
+        self._profiles.taking = False
+        if not request.path.is_file():
+            log.warning(
+                "no profile at %s (steps %s-%s); nothing reported", request.path, first_step, last_step
+            )
+            return None
+        return self.event(
+            Report.HEALTH_CHECK,
+            iteration=last_step,
+            check=PROFILE_CHECK,
+            artifact=str(request.path),
+            reason=request.reason,
+            first_step=first_step,
+            last_step=last_step,
+            **request.figures,
+        )
 
     def crash(self, exit_code: int) -> Event:
         """Call just before the process exits with a failure code."""

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from medic_hooks import MedicHooks
+from profiling import StepProfiler
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -112,7 +113,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--artifacts",
         type=Path,
         default=Path(env("MEDIC_ARTIFACTS", "medic-artifacts")),
-        help="where stack dumps go (env MEDIC_ARTIFACTS)",
+        help="where stack dumps and profiles go, and profile requests are looked for (env MEDIC_ARTIFACTS)",
+    )
+    peers.add_argument(
+        "--profile-steps",
+        type=int,
+        default=int(env("MEDIC_PROFILE_STEPS", "3")),
+        help="profile this many steps of a rank whose own work slowed, or that a request file asks about; "
+        "0: never (env MEDIC_PROFILE_STEPS)",
     )
     slow = parser.add_argument_group("slowdown and hang injection")
     slow.add_argument(
@@ -253,8 +261,9 @@ def train(args: argparse.Namespace, hooks: MedicHooks, rank: int, world: int, de
         print(f"rank {rank}: resumed from step {start} ({args.ckpt_dir})", flush=True)
 
     args.loss_log.parent.mkdir(parents=True, exist_ok=True)
-    with args.loss_log.open("a") as losses:
+    with args.loss_log.open("a") as losses, StepProfiler(hooks, device) as profiler:
         for step in range(start + 1, args.steps + 1):
+            profiler.before(step)  # outside the step's time: starting a profiler is no work of the step
             began = time.perf_counter()
             fault_here = step == args.fail_at_step and rank == args.fail_rank
             if fault_here and not args.fail_during_save:
@@ -273,6 +282,7 @@ def train(args: argparse.Namespace, hooks: MedicHooks, rank: int, world: int, de
             value = loss.item()
             # The save is left out of the step time: a checkpoint step is slow by design, not a straggler.
             hooks.step(step, value, time.perf_counter() - began)
+            profiler.after(step)
             line = {"step": step, "rank": rank, "world_size": world, "loss": value.hex()}
             losses.write(json.dumps(line) + "\n")
             losses.flush()
@@ -318,6 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.stall_dump_s:
         hooks.watch_for_stalls(args.stall_dump_s, args.artifacts)
+    if args.profile_steps:
+        hooks.profile_on_demand(args.artifacts, steps=args.profile_steps)
     with hooks.watch():
         train(args, hooks, rank, world, device)
     # No rank may tear the group down while another is still in its last save: that aborted

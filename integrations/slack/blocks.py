@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from medic.artifacts import Artifact, ArtifactLinks
 from medic.protocols import Message
 
 # Block Kit limits (https://docs.slack.dev/reference/block-kit/blocks).
@@ -24,6 +25,9 @@ TEXT_MAX = 4000
 ELLIPSIS = "…"
 FIELD_LABELS = {"gpu": "GPU"}
 RECOMMEND_HEADING = "*Recommended actions*\n"
+ARTIFACTS_HEADING = "*Evidence files*\n"
+ARTIFACT_WHAT_MAX = 200
+ARTIFACT_PATH_MAX = 500
 
 Block = dict[str, Any]
 
@@ -71,6 +75,28 @@ def _recommendations(recommend: tuple[str, ...]) -> str:
     return RECOMMEND_HEADING + fit_mrkdwn(bullets, SECTION_TEXT_MAX - len(RECOMMEND_HEADING))
 
 
+def _artifact_line(artifact: Artifact, links: ArtifactLinks | None) -> str:
+    """A link where the file is served, else its path as code: a path is no link in Slack."""
+    what = fit_mrkdwn(artifact.what, ARTIFACT_WHAT_MAX)
+    url = links.url(artifact.path) if links else None
+    if url is not None and len(url) <= URL_MAX:
+        return f"• <{escape(url)}|{what}>"
+    path = artifact.path.replace("`", "'")  # a backtick would end the code span early
+    return f"• {what}: `{fit_mrkdwn(path, ARTIFACT_PATH_MAX)}`"
+
+
+def _artifacts(artifacts: tuple[Artifact, ...], links: ArtifactLinks | None) -> str:
+    """As many lines as fit the section, whole: a link cut in half would be no link."""
+    text = ARTIFACTS_HEADING
+    for shown, artifact in enumerate(artifacts):
+        line = _artifact_line(artifact, links) + "\n"
+        more = f"… and {len(artifacts) - shown} more"
+        if len(text) + len(line) + len(more) > SECTION_TEXT_MAX:
+            return text + more
+        text += line
+    return text.rstrip("\n")
+
+
 APPROVE_ACTION = "medic_approve"
 REJECT_ACTION = "medic_reject"
 
@@ -102,7 +128,9 @@ def title_of(message: Message) -> str:
     return message.title.strip() or f"Incident {message.incident}"
 
 
-def message_blocks(message: Message, flow_run_url: str | None = None) -> list[Block]:
+def message_blocks(
+    message: Message, flow_run_url: str | None = None, links: ArtifactLinks | None = None
+) -> list[Block]:
     blocks: list[Block] = [
         {"type": "header", "text": {"type": "plain_text", "text": truncate(title_of(message), HEADER_MAX)}}
     ]
@@ -113,6 +141,8 @@ def message_blocks(message: Message, flow_run_url: str | None = None) -> list[Bl
         blocks.append({"type": "section", "fields": fields})
     if message.recommend:
         blocks.append({"type": "section", "text": _mrkdwn(_recommendations(message.recommend))})
+    if message.artifacts:
+        blocks.append({"type": "section", "text": _mrkdwn(_artifacts(message.artifacts, links))})
     buttons = _approval_buttons(message)
     if flow_run_url and len(flow_run_url) <= URL_MAX:
         buttons.append(

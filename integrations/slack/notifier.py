@@ -21,6 +21,7 @@ from slack_sdk.http_retry import BackoffRetryIntervalCalculator
 from slack_sdk.web import SlackResponse
 
 from integrations.slack.blocks import TEXT_MAX, fallback_text, fit_mrkdwn, message_blocks, truncate
+from medic.artifacts import ArtifactLinks
 from medic.errors import MedicError, PermanentError, TransientError
 from medic.protocols import Message
 
@@ -102,12 +103,14 @@ class SlackNotifier:
         client: WebClient,
         *,
         flow_run_url: FlowRunUrl | None = None,
+        artifact_links: ArtifactLinks | None = None,
         max_wait_s: float = 30,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
         self._flow_run_url = flow_run_url
+        self._artifact_links = artifact_links
         self.max_wait_s = max_wait_s
         self._sleep = sleep
         self._clock = clock
@@ -117,7 +120,8 @@ class SlackNotifier:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SlackNotifier | None:
         """A notifier configured by SLACK_BOT_TOKEN (or the Prefect Secret block named by
-        MEDIC_SLACK_TOKEN_BLOCK) and SLACK_API_URL; None when no token is configured."""
+        MEDIC_SLACK_TOKEN_BLOCK), SLACK_API_URL, and MEDIC_ARTIFACT_ROOT / MEDIC_ARTIFACT_URL for links
+        to evidence files; None when no token is configured. A malformed setting raises ValueError."""
         env = os.environ if env is None else env
         token = token_from_env(env)
         if not token:
@@ -129,7 +133,7 @@ class SlackNotifier:
             timeout=REQUEST_TIMEOUT_S,
             retry_handlers=[],  # all retrying happens in _call, inside one time budget
         )
-        return cls(client, flow_run_url=current_flow_run_url)
+        return cls(client, flow_run_url=current_flow_run_url, artifact_links=ArtifactLinks.from_env(env))
 
     def __repr__(self) -> str:
         return f"SlackNotifier(base_url={self._client.base_url!r}, max_wait_s={self.max_wait_s})"
@@ -142,7 +146,7 @@ class SlackNotifier:
             self._client.chat_postMessage,
             channel=message.channel,
             text=fallback_text(message),
-            blocks=message_blocks(message, url),
+            blocks=message_blocks(message, url, self._artifact_links),
             unfurl_links=False,
         )
         # Slack answers with the channel's id even when posted by name; chat.update accepts only the id.
@@ -168,7 +172,7 @@ class SlackNotifier:
             channel=channel,
             ts=ts,
             text=fallback_text(message),
-            blocks=message_blocks(message, url),
+            blocks=message_blocks(message, url, self._artifact_links),
         )
 
     def user_id_by_email(self, email: str) -> str | None:
