@@ -12,6 +12,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from datetime import datetime
+from operator import attrgetter
 
 from medic.events import EventKind, FaultEvent
 
@@ -34,6 +35,9 @@ def index_keys(event: FaultEvent) -> list[tuple[Hashable, ...]]:
     return keys
 
 
+_TIME = attrgetter("time")
+
+
 class _Series:
     """Events of one index entry, sorted by time, with their times for bisection."""
 
@@ -44,8 +48,8 @@ class _Series:
         self.times: list[datetime] = []
 
     def sort(self) -> None:
-        self.events.sort(key=lambda e: e.time)
-        self.times = [e.time for e in self.events]
+        self.events.sort(key=_TIME)
+        self.times = list(map(_TIME, self.events))
 
     def between(self, start: datetime, end: datetime) -> list[FaultEvent]:
         return self.events[bisect_left(self.times, start) : bisect_right(self.times, end)]

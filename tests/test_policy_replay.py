@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from factories import fault_event
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
 
 from apps.cli.app import app
@@ -25,6 +25,7 @@ from medic.incidents import correlate
 from medic.policy import load_policy
 from medic.policy.replay import ChangeLimit, FactsRecord, ReplayReport, facts_from, record_facts, replay
 from medic.store import Store
+from medic.store.migrations import baseline
 from medic.store.tables import BreakerRecord
 from tasks.decide import decide_incident
 from tasks.runtime import Runtime, configure
@@ -323,10 +324,11 @@ def test_a_broken_policy_exits_2_with_file_and_line(
 
 def test_a_store_from_before_the_facts_column_gains_it(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'old.db'}"
-    store = Store(url)
-    with store.engine.begin() as connection:
-        connection.execute(text("ALTER TABLE decisions DROP COLUMN facts"))
-    store.close()
+    engine = create_engine(url)
+    baseline.METADATA.create_all(engine)  # the schema before migrations (medic/store/migrate.py)...
+    with engine.begin() as connection:
+        connection.execute(text("ALTER TABLE decisions DROP COLUMN facts"))  # ...and before facts
+    engine.dispose()
     store = Store(url)  # an upgrade: the column is added, the decisions kept so far have none
     (incident_id,) = remediate_decisions(store, incidents_now()[:1])
     detail = store.incident_detail(incident_id)

@@ -14,13 +14,14 @@ from rich.table import Table
 
 from apps.cli._common import EventsArgument, console, err, load_policy_or_exit, report_rejections
 from apps.cli.incidents import _since
+from apps.cli.replay_parallel import replay_store
 from medic.config import load_settings
 from medic.intake import read_file
 from medic.policy import PolicyError, load_policy
 from medic.policy.explain import describe, trace
 from medic.policy.model import Policy
-from medic.policy.replay import ChangeLimit, Count, ReplayReport
-from medic.policy.replay import replay as replay_history
+from medic.policy.replay import ChangeLimit
+from medic.policy.replay_report import Count, ReplayReport
 from medic.policy.testing import default_tests_path, load_tests, run_tests
 from medic.store import Store
 from medic.triage import replay
@@ -168,8 +169,7 @@ def policy_replay(
     # (a third of the replay's time) and could free nothing.
     gc.disable()
     try:
-        history = store.replay_history(since=started, lookback=loaded.policy.lookback())
-        report = replay_history(history, loaded, started)
+        report = replay_store(store, loaded, started)
     finally:
         gc.enable()
         store.close()

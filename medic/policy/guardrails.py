@@ -10,28 +10,46 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from fnmatch import fnmatchcase
+from typing import Protocol
 
 from medic.incidents import Scope
 from medic.policy.model import DESTRUCTIVE, OUT_OF_SERVICE, Action, Decision, Guardrails
 
 HOUR = timedelta(hours=1)
+# Actions no guardrail ever stops: they touch no node.
+UNGUARDED = frozenset({Action.NONE, Action.ESCALATE})
 
 
 @dataclass(frozen=True, slots=True)
 class FleetState:
     now: datetime
     fleet_size: int | None = None  # unknown: only the count limits apply
-    out_of_service: frozenset[str] = frozenset()  # nodes counted toward max_out_of_service right now
+    out_of_service: AbstractSet[str] = frozenset()  # nodes counted toward max_out_of_service right now
     destructive_at: tuple[datetime, ...] = ()  # our destructive actions, any node
     last_destructive: Mapping[str, datetime] = field(default_factory=dict)  # per node
     taken_out_at: Mapping[str, datetime] = field(default_factory=dict)  # latest time each node went out
     breaker_open: bool = False  # opened earlier; stays open until a human closes it
 
 
-def takes_node_out(decision: Decision) -> bool:
+class Acting(Protocol):
+    """What a decision asks for and the guardrail that stopped it: a `Decision`, or a replay's outcome
+    (medic/policy/replay_report.py)."""
+
+    @property
+    def action(self) -> Action: ...
+
+    @property
+    def diagnose_level(self) -> int | None: ...
+
+    @property
+    def guardrail(self) -> str | None: ...
+
+
+def takes_node_out(decision: Acting) -> bool:
     if decision.action is Action.DIAGNOSE:
         # Levels 2-4 need the GPUs idle, so the node is drained for them.
         return (decision.diagnose_level or 1) >= 2
@@ -60,14 +78,14 @@ def breaker_trips(guardrails: Guardrails, state: FleetState, node: str) -> str |
 
 
 def check(
-    guardrails: Guardrails, state: FleetState, node: str, decision: Decision, scope: Scope = "node"
+    guardrails: Guardrails, state: FleetState, node: str, decision: Acting, scope: Scope = "node"
 ) -> tuple[str, str] | None:
     """The first guardrail the decision would break, as (name, why); None when all hold.
 
     Built in, before the policy's own: an incident about a whole switch is never acted on node
     by node, whatever a rule says (the trouble is the network's, not any one node's)."""
     out = takes_node_out(decision)
-    if decision.action in (Action.NONE, Action.ESCALATE):
+    if decision.action in UNGUARDED:
         return None
     if scope == "switch":
         return "switch_incident", f"{node} is a switch: no node action on a switch-wide incident"

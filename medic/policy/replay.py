@@ -9,30 +9,33 @@ the time a human closed the real one. A decision recorded before facts were kept
 rebuilt from the incident's stored events and the node's history, the way the flows build them,
 and the report counts those.
 
-The JSON form of `ReplayReport` is a public contract (docs/policy.md#replay); tests pin it.
+The replay is made in two halves: `redecide` decides the recorded decisions again, which may be
+split over processes by incident (apps/cli/replay_parallel.py, `decided_as_one`), and `judge`
+(medic/policy/replay_report.py) replays the guardrails over all of them and makes the report, whose
+JSON form is a public contract (docs/policy.md#replay); tests pin it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter, defaultdict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from operator import itemgetter
 
-from pydantic import BaseModel, ConfigDict, field_serializer
+from pydantic import BaseModel, ConfigDict, field_serializer, field_validator
 
+from medic.ageing import PastIncident
 from medic.context import Context
 from medic.dcgm_errors import Severity
 from medic.events import EventKind, FaultEvent
 from medic.facts import DiagnosticFact, Facts, facts_of, taken_out_by_us
 from medic.incidents import Incident, Scope
-from medic.policy import LoadedPolicy, decide, guardrails
-from medic.policy.guardrails import FleetState, takes_node_out
+from medic.policy import LoadedPolicy, decide
+from medic.policy.engine import window
 from medic.policy.model import Action, Decision
-from medic.triage import _ReplayedFleet
+from medic.policy.replay_report import Outcome, Redecided, Redecisions, ReplayReport, judge
 
-SCHEMA_VERSION = 1
 # Facts fields kept as they are; `events` is kept as the events' ids and `context` (the cluster's
 # recent events) is rebuilt from the store, which holds every event for good.
 _NOT_KEPT = frozenset({"events", "context"})
@@ -73,6 +76,7 @@ class FactsRecord(BaseModel):
     nvlink_errors: int = 0
     sxids: frozenset[int] = frozenset()
     sxid_severities: frozenset[str] = frozenset()
+    gpu_history: tuple[PastIncident, ...] = ()
 
     @field_serializer(
         "kinds",
@@ -90,8 +94,17 @@ class FactsRecord(BaseModel):
         # A set has no order; sorted, the same facts are always the same JSON.
         return sorted(values)  # type: ignore[return-value]  # str or int, never mixed
 
+    @field_validator("now")
+    @classmethod
+    def _utc(cls, now: datetime) -> datetime:
+        # Read back, a time carries pydantic's own tzinfo. Python compares times of two tzinfo objects
+        # through their UTC offsets, several times slower than times of one, and the engine compares
+        # `now` with the stored events' times (UTC) in every windowed condition it tests.
+        return now.astimezone(UTC)
+
 
 _KEPT = tuple(f.name for f in dataclasses.fields(Facts) if f.name not in _NOT_KEPT)
+_FACTS_FIELDS = itemgetter(*(f.name for f in dataclasses.fields(Facts)))
 
 
 def record_facts(facts: Facts) -> dict[str, object]:
@@ -108,22 +121,22 @@ def record_facts(facts: Facts) -> dict[str, object]:
 
 def facts_from(record: FactsRecord, events: Mapping[str, FaultEvent], context: Context) -> Facts:
     """The Facts a decision was made on, its events looked up among the stored ones."""
-    return Facts(
-        events=tuple(events[i] for i in record.event_ids),
-        context=context,
-        **{name: getattr(record, name) for name in _KEPT},
-    )
+    # Facts' fields in order, from the record's values: a replay builds hundreds of thousands of
+    # Facts, and passed by name they would cost half as much again.
+    values = dict(record.__dict__, events=tuple(events[i] for i in record.event_ids), context=context)
+    return Facts(*_FACTS_FIELDS(values))
 
 
 @dataclass(frozen=True, slots=True)
 class RecordedDecision:
     """One row of the decisions table, with what replaying it needs from its incident."""
 
+    id: int  # the row's: of two decisions made at one moment, the one recorded first came first
     incident: str
     node: str  # the switch's name for a switch-wide incident
     scope: Scope
     decided_at: datetime
-    decision: Decision  # as recorded: rule, action, level, guardrail
+    outcome: Outcome  # as recorded: rule, action, level, guardrail
     facts: str | None  # a FactsRecord as JSON; None when recorded before facts were kept
     flow_run_id: str | None = None
 
@@ -133,124 +146,96 @@ class History:
     """What the store holds for a replay (medic/store/replay.py)."""
 
     decisions: Sequence[RecordedDecision]  # in the order they were made
-    events: Sequence[FaultEvent]  # the decisions' incidents' events and the cluster's around them
+    # Every event stored from `start` to `end` (the cluster's around the decisions) and the decisions'
+    # incidents' earlier ones.
+    events: Sequence[FaultEvent]
     incident_events: Mapping[str, Sequence[FaultEvent]]  # per incident, oldest first (to rebuild facts)
     remediations: Mapping[str, Sequence[FaultEvent]]  # per node, oldest first (to rebuild facts)
     breaker_closed_at: Sequence[datetime] = ()  # when humans closed the real breaker
+    start: datetime | None = None
+    end: datetime | None = None
 
 
-class Outcome(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    rule: str
-    action: Action
-    diagnose_level: int | None = None
-    guardrail: str | None = None
+def replay(history: History, loaded: LoadedPolicy, since: datetime | None = None) -> ReplayReport:
+    """Decide each recorded decision again with `loaded`, in the order they were made, and compare."""
+    return judge([redecide(history, loaded)], loaded, history.breaker_closed_at, since)
 
 
-class Count(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    before: int = 0
-    after: int = 0
-
-
-class ChangedIncident(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    incident: str
-    node: str
-    decided_at: datetime  # the incident's last decision
-    before: Outcome  # its last decision as recorded
-    after: Outcome  # the same decision made by the new policy
-    steps_before: list[str]  # every decision of the incident, oldest first: `diagnose 2`, `reboot`
-    steps_after: list[str]
-    command: str  # shows the incident's record: `medic incident ID`
-    flow_run_id: str | None
-    flow_run_url: str | None = None  # its run in the Prefect UI, where the UI's address is known
-
-
-class NodeChange(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    node: str
-    taken_out_before: int  # decisions that took the node out of service
-    taken_out_after: int
-
-
-class Trip(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    incident: str
-    node: str
-    decided_at: datetime
-    guardrail: str
-    blocked_action: Action
-    recorded: bool  # the recorded decision was stopped by the same guardrail
-    reason: str
-
-
-class ReplayReport(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    schema_version: int = SCHEMA_VERSION
-    policy: str
-    policy_sha256: str
-    since: datetime | None
-    incidents: int
-    decisions: int
-    rebuilt: int  # decisions recorded without facts: facts rebuilt from the stored events
-    skipped: int  # decisions whose events are no longer in the store: not replayed
-    changed: int  # incidents with a different sequence of actions
-    actions: dict[str, Count]  # by action, over each incident's last decision
-    rules: dict[str, Count]  # by winning rule, over each incident's last decision
-    changes: list[ChangedIncident]
-    nodes: list[NodeChange]  # only the nodes taken out a different number of times
-    guardrails: list[Trip]  # every replayed decision a guardrail stopped
-    exceeded: list[str] = []  # the limits given (`--max-changed`) that the changes go over
-
-    @property
-    def changed_percent(self) -> float:
-        return 100 * self.changed / self.incidents if self.incidents else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Step:
-    record: RecordedDecision
-    before: Decision
-    after: Decision
-    last: bool  # the incident's last decision
-
-    def acted(self, decision: Decision) -> bool:
-        """Whether the flow acted on this decision: the incident's last one, or a diagnostic the ladder
-        runs. Triage's first answer is recorded too, but the final decision is what is done."""
-        return self.last or decision.action is Action.DIAGNOSE
-
-
-def _step_label(decision: Decision) -> str:
-    if decision.action is Action.DIAGNOSE and decision.diagnose_level is not None:
-        return f"diagnose {decision.diagnose_level}"
-    return decision.action.value
-
-
-def _steps(decisions: Iterable[Decision]) -> list[str]:
-    """An incident's decisions as labels, a decision repeated at the next stage (triage's first
-    answer, then the same final decision) once."""
-    labels: list[str] = []
-    for decision in decisions:
-        label = _step_label(decision)
-        if not labels or labels[-1] != label:
-            labels.append(label)
-    return labels
-
-
-def _outcome(decision: Decision) -> Outcome:
-    return Outcome(
-        rule=decision.rule,
-        action=decision.action,
-        diagnose_level=decision.diagnose_level,
-        guardrail=decision.guardrail,
+def redecide(history: History, loaded: LoadedPolicy) -> Redecisions:
+    """Every recorded decision made again with `loaded`, before its guardrails (`judge` replays them)."""
+    decider = _Decider(history, loaded)
+    outcomes: dict[tuple[str, Action, int | None], Outcome] = {}
+    pairs = _recorded_outcomes(history.decisions)
+    last_of = {record.incident: i for i, (record, _) in enumerate(pairs)}
+    decisions: list[Redecided] = []
+    for index, (record, before) in enumerate(pairs):
+        decided = decider.decide(record)
+        if decided is None:
+            continue
+        decision, fleet_size = decided
+        # Decisions come in few outcomes (a rule, its action and level): one object each.
+        key = (decision.rule, decision.action, decision.diagnose_level)
+        after = outcomes.get(key)
+        if after is None:
+            after = outcomes[key] = Outcome(rule=key[0], action=key[1], diagnose_level=key[2])
+        decisions.append(
+            Redecided(
+                record.decided_at,
+                record.id,
+                record.incident,
+                record.node,
+                record.scope,
+                before,
+                after,
+                fleet_size,
+                last_of[record.incident] == index,
+                record.flow_run_id,
+            )
+        )
+    held = (history.start, history.end) if history.start and history.end else None
+    own = {record.incident for record in history.decisions}
+    firsts = [
+        events[0].time for incident, events in history.incident_events.items() if incident in own and events
+    ]
+    return Redecisions(
+        decisions,
+        rebuilt=decider.rebuilt,
+        skipped=len(pairs) - len(decisions),
+        held=held,
+        read=decider.read,
+        earliest=min(firsts, default=None),
+        switch_sizes_recorded=decider.sizes_recorded,
+        switch_sizes_missing=decider.sizes_missing,
     )
+
+
+def decided_as_one(parts: Sequence[Redecisions], lookback: timedelta) -> bool:
+    """Whether parts of a replay, decided apart on histories of their own, decided as one replay of
+    all their incidents does, with the policy's conditions looking back `lookback` at most.
+
+    A decision reads beyond its incident in three ways. Its windowed conditions read the cluster's
+    events: one replay holds them from `lookback` before its first decision (and its incidents'
+    earlier ones), a part only around its own decisions, so the windows must lie where both hold
+    every event, or reach before the first where no other part's incident has events. Facts
+    rebuilt read the node's history from the start of the part's history. And a decision with no
+    size recorded for its switch is decided with the size recorded last before it, by whichever
+    incident."""
+    if any(part.rebuilt or part.skipped for part in parts):
+        return False
+    decided = [part for part in parts if part.decisions]
+    start = min((part.decisions[0].decided_at for part in decided), default=None)
+    for part in decided:
+        if part.read is None or part.held is None or start is None:
+            continue
+        (held_from, held_to), (read_from, read_to) = part.held, part.read
+        first = start - lookback
+        if read_to > held_to:
+            return False
+        others = [p.earliest for p in decided if p is not part and p.earliest is not None]
+        if read_from < max(held_from, first) and (held_from != first or min(others, default=first) < first):
+            return False
+    recorded = any(part.switch_sizes_recorded for part in parts)
+    return not (recorded and any(part.switch_sizes_missing for part in parts))
 
 
 def _rebuilt(record: RecordedDecision, history: History, context: Context) -> Facts | None:
@@ -270,19 +255,19 @@ def _rebuilt(record: RecordedDecision, history: History, context: Context) -> Fa
     return facts_of(incident, out_of_service=out, now=record.decided_at, context=context)
 
 
-def _recorded_outcomes(records: Sequence[RecordedDecision]) -> list[tuple[RecordedDecision, Decision]]:
+def _recorded_outcomes(records: Sequence[RecordedDecision]) -> list[tuple[RecordedDecision, Outcome]]:
     """Each decision to replay with the outcome that was recorded for it. A row without facts right
     after one of the same incident with facts is that decision stopped at the last check before its
     action (a guardrail under the slot): it is the earlier decision's recorded outcome, not a new one."""
-    pairs: list[tuple[RecordedDecision, Decision]] = []
+    pairs: list[tuple[RecordedDecision, Outcome]] = []
     last: dict[str, int] = {}
     for record in records:
         previous = last.get(record.incident)
         if record.facts is None and previous is not None and pairs[previous][0].facts is not None:
-            pairs[previous] = (pairs[previous][0], record.decision)
+            pairs[previous] = (pairs[previous][0], record.outcome)
             continue
         last[record.incident] = len(pairs)
-        pairs.append((record, record.decision))
+        pairs.append((record, record.outcome))
     return pairs
 
 
@@ -315,176 +300,78 @@ def _cut_now(text: str) -> tuple[str, datetime]:
     return text[:key] + text[end + 1 :], datetime.fromisoformat(text[start:end])
 
 
-def _rule(
-    text: str,
-    key: str,
-    now: datetime,
-    loaded: LoadedPolicy,
-    events: Mapping[str, FaultEvent],
-    context: Context,
-    switch_sizes: dict[str, int],
-) -> _Ruled | None:
-    """Decide on kept facts; None when their events are no longer in the store."""
-    kept = FactsRecord.model_validate_json(text)
-    if not all(i in events for i in kept.event_ids):
-        return None
-    if kept.switch and kept.switch_size:
-        switch_sizes[kept.switch] = kept.switch_size  # the context's: the engine reads the size there
-    faults = [events[i].time for i in kept.event_ids if events[i].kind is not EventKind.DIAGNOSTIC]
-    return _Ruled(
-        key=key,
-        now=now,
-        newest_fault=max(faults, default=None),
-        fleet_size=kept.fleet_size,
-        switch_size=(kept.switch, kept.switch_size) if kept.switch and kept.switch_size else None,
-        decision=decide(loaded.policy, facts_from(kept, events, context), loaded.sha256),
-    )
+class _Decider:
+    """Each recorded decision made again by `decide`, on its kept facts (or facts rebuilt), with the
+    stored events as the context its cross-node conditions read."""
 
+    def __init__(self, history: History, loaded: LoadedPolicy) -> None:
+        self.history, self.loaded = history, loaded
+        self.events = {e.id: e for e in history.events}
+        # Only cross-node conditions read the context, each only events of its kinds: the others
+        # would be indexed for nothing.
+        kinds = loaded.policy.context_kinds()
+        self.context = Context(e for e in history.events if e.kind in kinds)
+        # The engine reads switch sizes from the context: each decision's recorded size is set in this
+        # one mapping before it is decided, so every decision shares one index of the cluster's events.
+        self.switch_sizes: dict[str, int] = {}
+        self.context.switch_sizes = self.switch_sizes
+        self.ruled: dict[str, _Ruled] = {}  # per incident
+        self.rebuilt = 0
+        self.lookback = loaded.policy.lookback()
+        self.read: tuple[datetime, datetime] | None = None  # the stretch windowed conditions may read
+        self.sizes_recorded = self.sizes_missing = False
 
-def replay(history: History, loaded: LoadedPolicy, since: datetime | None = None) -> ReplayReport:
-    """Decide each recorded decision again with `loaded`, in the order they were made, and compare."""
-    policy = loaded.policy
-    by_id = {e.id: e for e in history.events}
-    for events in history.incident_events.values():
-        by_id.update((e.id, e) for e in events)
-    context = Context(by_id.values())
-    # The engine reads switch sizes from the context: each decision's recorded size is set in this
-    # one mapping before it is decided, so every decision shares one index of the cluster's events.
-    switch_sizes: dict[str, int] = {}
-    context.switch_sizes = switch_sizes
-    fleet = _ReplayedFleet(None)
-    breaker = policy.guardrails.circuit_breaker
-    breaker_window = timedelta(minutes=breaker.window_minutes if breaker else 0)
-    taken_out: deque[tuple[datetime, str]] = deque()  # (when, node), oldest first
-    closings = sorted(history.breaker_closed_at)
-    tripped_at: datetime | None = None
-    steps: list[_Step] = []
-    rebuilt = skipped = 0
-    pairs = _recorded_outcomes(history.decisions)
-    last_of = {record.incident: i for i, (record, _) in enumerate(pairs)}
-    ruled_by_incident: dict[str, _Ruled] = {}
-    for index, (record, before) in enumerate(pairs):
-        now = record.decided_at
-        ruled: Decision | None = None
+    def decide(self, record: RecordedDecision) -> tuple[Decision, int | None] | None:
+        """The decision made again, and the fleet size its guardrails see; None when its events are
+        no longer in the store."""
         if record.facts is None:
-            facts = _rebuilt(record, history, context)
-            rebuilt += facts is not None
-            fleet.fleet_size = None  # not recorded: only the count limits apply, as in `medic triage`
-            ruled = decide(policy, facts, loaded.sha256) if facts is not None else None
+            facts = _rebuilt(record, self.history, self.context)
+            if facts is None:
+                return None
+            self.rebuilt += 1
+            self.sizes_missing |= facts.switch is not None
+            self._reads(facts)
+            # No fleet size was recorded: only the count limits apply, as in `medic triage`.
+            return decide(self.loaded.policy, facts, self.loaded.sha256), None
+        key, now = _cut_now(record.facts)
+        prior = self.ruled.get(record.incident)
+        if prior is None or not prior.holds_for(key, now):
+            prior = self._rule(record.facts, key, now)
+            if prior is None:
+                return None
+            self.ruled[record.incident] = prior
+        if prior.switch_size is not None:
+            self.switch_sizes[prior.switch_size[0]] = prior.switch_size[1]
+        return prior.decision, prior.fleet_size
+
+    def _rule(self, text: str, key: str, now: datetime) -> _Ruled | None:
+        """Decide on kept facts; None when their events are no longer in the store."""
+        kept = FactsRecord.model_validate_json(text)
+        events = self.events
+        if not all(i in events for i in kept.event_ids):
+            return None
+        if kept.switch and kept.switch_size:
+            self.switch_sizes[kept.switch] = (
+                kept.switch_size
+            )  # the context's: the engine reads the size there
+            self.sizes_recorded = True
         else:
-            key, seen_at = _cut_now(record.facts)
-            prior = ruled_by_incident.get(record.incident)
-            if prior is None or not prior.holds_for(key, seen_at):
-                prior = _rule(record.facts, key, seen_at, loaded, by_id, context, switch_sizes)
-            if prior is not None:
-                ruled_by_incident[record.incident] = prior
-                fleet.fleet_size = prior.fleet_size
-                if prior.switch_size is not None:
-                    switch_sizes[prior.switch_size[0]] = prior.switch_size[1]
-                ruled = prior.decision
-        if ruled is None:
-            skipped += 1
-            continue
-        # Only the breaker reads when nodes went out, and only within its window: dropping the older
-        # ones as the replay goes keeps each decision's check short over weeks of decisions.
-        while taken_out and taken_out[0][0] < now - breaker_window:
-            went, node = taken_out.popleft()
-            if fleet.taken_out_at.get(node) == went:
-                del fleet.taken_out_at[node]
-        if fleet.breaker_open and any(tripped_at is not None and tripped_at < c <= now for c in closings):
-            fleet.breaker_open = False  # a human closed the real breaker since the replayed one opened
-        # Only a decision that takes a node out meets a fleet limit (docs/policy.md#guardrails): the
-        # fleet's snapshot, a copy of every node out of service, is taken for those alone.
-        state = fleet.state(now, now) if takes_node_out(ruled) else FleetState(now)
-        after = guardrails.apply(policy.guardrails, state, record.node, ruled, record.scope)
-        if after.guardrail == "circuit_breaker" and not fleet.breaker_open:
-            tripped_at, fleet.breaker_open = now, True  # opened by any decision, as the flows open it
-        step = _Step(record, before, after, last_of[record.incident] == index)
-        if step.acted(after):
-            fleet.record(record.node, now, after)
-            if takes_node_out(after):
-                taken_out.append((now, record.node))
-        steps.append(step)
-    return _report(steps, loaded, since, rebuilt, skipped)
+            self.sizes_missing |= kept.switch is not None
+        faults = [events[i].time for i in kept.event_ids if events[i].kind is not EventKind.DIAGNOSTIC]
+        facts = facts_from(kept, events, self.context)
+        self._reads(facts)
+        return _Ruled(
+            key=key,
+            now=now,
+            newest_fault=max(faults, default=None),
+            fleet_size=kept.fleet_size,
+            switch_size=(kept.switch, kept.switch_size) if kept.switch and kept.switch_size else None,
+            decision=decide(self.loaded.policy, facts, self.loaded.sha256),
+        )
 
-
-def _report(
-    steps: Iterable[_Step], loaded: LoadedPolicy, since: datetime | None, rebuilt: int, skipped: int
-) -> ReplayReport:
-    by_incident: dict[str, list[_Step]] = defaultdict(list)
-    taken_before: Counter[str] = Counter()
-    taken_after: Counter[str] = Counter()
-    trips: list[Trip] = []
-    decisions = 0
-    for step in steps:
-        decisions += 1
-        by_incident[step.record.incident].append(step)
-        node = step.record.node
-        taken_before[node] += step.acted(step.before) and takes_node_out(step.before)
-        taken_after[node] += step.acted(step.after) and takes_node_out(step.after)
-        after = step.after
-        if after.guardrail is not None and after.blocked_action is not None:
-            trips.append(
-                Trip(
-                    incident=step.record.incident,
-                    node=node,
-                    decided_at=step.record.decided_at,
-                    guardrail=after.guardrail,
-                    blocked_action=after.blocked_action,
-                    recorded=step.before.guardrail == after.guardrail,
-                    reason=after.reason.rpartition(f"stopped by guardrail {after.guardrail}: ")[2],
-                )
-            )
-    tally: dict[str, Counter[str]] = {"actions before": Counter(), "actions after": Counter()}
-    tally |= {"rules before": Counter(), "rules after": Counter()}
-    changes: list[ChangedIncident] = []
-    for incident, its in by_incident.items():
-        last = its[-1]
-        tally["actions before"][last.before.action.value] += 1
-        tally["actions after"][last.after.action.value] += 1
-        tally["rules before"][last.before.rule] += 1
-        tally["rules after"][last.after.rule] += 1
-        steps_before = _steps(s.before for s in its)
-        steps_after = _steps(s.after for s in its)
-        if steps_before != steps_after:
-            changes.append(
-                ChangedIncident(
-                    incident=incident,
-                    node=last.record.node,
-                    decided_at=last.record.decided_at,
-                    before=_outcome(last.before),
-                    after=_outcome(last.after),
-                    steps_before=steps_before,
-                    steps_after=steps_after,
-                    command=f"medic incident {incident}",
-                    flow_run_id=last.record.flow_run_id,
-                )
-            )
-    nodes = [
-        NodeChange(node=n, taken_out_before=taken_before[n], taken_out_after=taken_after[n])
-        for n in sorted(taken_before.keys() | taken_after.keys())
-        if taken_before[n] != taken_after[n]
-    ]
-    nodes.sort(key=lambda c: -abs(c.taken_out_after - c.taken_out_before))
-    return ReplayReport(
-        policy=loaded.path,
-        policy_sha256=loaded.sha256,
-        since=since,
-        incidents=len(by_incident),
-        decisions=decisions,
-        rebuilt=rebuilt,
-        skipped=skipped,
-        changed=len(changes),
-        actions=_counts(tally["actions before"], tally["actions after"]),
-        rules=_counts(tally["rules before"], tally["rules after"]),
-        changes=changes,
-        nodes=nodes,
-        guardrails=trips,
-    )
-
-
-def _counts(before: Counter[str], after: Counter[str]) -> dict[str, Count]:
-    return {k: Count(before=before[k], after=after[k]) for k in sorted(before.keys() | after.keys())}
+    def _reads(self, facts: Facts) -> None:
+        start, end = window(facts, self.lookback)
+        self.read = (min(start, self.read[0]), max(end, self.read[1])) if self.read else (start, end)
 
 
 @dataclass(frozen=True, slots=True)

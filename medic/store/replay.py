@@ -1,26 +1,29 @@
 """What `medic policy replay` reads: the recorded decisions, and the events they were made on.
 
-Read in a few bulk queries, not a query per incident: a replay covers weeks of a fleet's
-incidents (docs/policy.md#replay).
+Read in a few bulk queries of plain columns, not a query per incident nor ORM objects: a replay
+covers weeks of a fleet's incidents (docs/policy.md#replay), and building an object per row would
+cost more than deciding them again.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from copy import copy
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
-from sqlalchemy import Select, Text, and_, cast, or_, select
+from sqlalchemy import Select, Text, and_, cast, func, or_, select
 from sqlmodel import col
 
 from medic.events import EventKind, FaultEvent
 from medic.facts import HISTORY_WINDOW
-from medic.policy.model import Action, Classification, Decision
+from medic.policy.model import Action
 from medic.policy.replay import History, RecordedDecision
+from medic.policy.replay_report import Outcome
 from medic.store.events import EventsMixin
 from medic.store.tables import BreakerRecord, DecisionRecord, EventRecord, IncidentRecord
 
-# Columns, not ORM objects: building a row object per event would cost more than the replay itself.
 _EVENT_COLUMNS = [
     col(c)
     for c in (
@@ -40,19 +43,41 @@ _EVENT_COLUMNS = [
 ]
 
 
+@dataclass(frozen=True, slots=True)
+class ReplaySplit:
+    """Where a replay's incidents split in two halves (medic/policy/replay.py, `decided_as_one`)."""
+
+    incidents: int  # replayed in all
+    middle: datetime  # the later half opened from then on
+
+
 class ReplayMixin(EventsMixin):
-    def replay_history(self, *, since: datetime | None, lookback: timedelta) -> History:
-        """Every decision on the incidents opened since `since` (all when None), oldest first; their
-        incidents' events; and every event from `lookback` before the first decision to the last,
-        which the policy's cross-node conditions may count."""
-        incidents = select(col(IncidentRecord.id))
-        if since is not None:
-            incidents = incidents.where(col(IncidentRecord.opened_at) >= since)
+    def replay_history(
+        self,
+        *,
+        since: datetime | None,
+        lookback: timedelta,
+        until: datetime | None = None,
+        start: datetime | None = None,
+    ) -> History:
+        """Every decision on the incidents opened since `since` (all when None) and before `until`,
+        oldest first; their incidents' events; and every event from `start` (by default `lookback`
+        before the first decision) to the last decision, which the policy's cross-node conditions may
+        count."""
+        incidents = _opened(select(col(IncidentRecord.id)), since, until)
         with self.engine.connect() as connection:
-            decisions = [_recorded(row) for row in connection.execute(_decisions(since))]
+            # The incidents' columns are joined here, not in SQL: a join looks up the incident of
+            # each decision, twice per incident, where one scan of the incidents reads each once.
+            opened = {row.id: row for row in connection.execute(_opened(_INCIDENT_COLUMNS, since, until))}
+            outcomes: dict[tuple[Any, ...], Outcome] = {}
+            decisions = [
+                _recorded(row, opened[row.incident_id], outcomes)
+                for row in connection.execute(_decisions(incidents if since or until else None))
+                if row.incident_id in opened
+            ]
             if not decisions:
                 return History(decisions=[], events=[], incident_events={}, remediations={})
-            start = decisions[0].decided_at - lookback
+            start = start or decisions[0].decided_at - lookback
             end = max(d.decided_at for d in decisions)
             query = select(*_EVENT_COLUMNS).where(
                 or_(
@@ -67,8 +92,9 @@ class ReplayMixin(EventsMixin):
                 events.append(event)
                 if row.incident_id is not None:
                     by_incident[row.incident_id].append(event)
-            closings = select(col(BreakerRecord.closed_at)).where(col(BreakerRecord.closed_at) >= start)
-            closed = list(connection.execute(closings).scalars())
+            # Every closing, not only those in reach: a handful of rows, the same for every part of a
+            # replay (apps/cli/replay_parallel.py).
+            closed = list(connection.execute(select(col(BreakerRecord.closed_at))).scalars())
         # The node history only matters for decisions recorded without their facts: rebuilding them.
         old_nodes = {d.node for d in decisions if d.facts is None and d.scope == "node"}
         history_since = start - HISTORY_WINDOW
@@ -79,74 +105,108 @@ class ReplayMixin(EventsMixin):
             incident_events=by_incident,
             remediations=remediations,
             breaker_closed_at=[at for at in closed if at is not None],
+            start=start,
+            end=end,
         )
 
+    def replay_split(self, since: datetime | None) -> ReplaySplit | None:
+        """Where the incidents opened since `since` split in two halves; None for fewer than two."""
+        opened_at = col(IncidentRecord.opened_at)
+        with self.engine.connect() as connection:
+            count = connection.execute(
+                _opened(select(func.count(col(IncidentRecord.id))), since, None)
+            ).scalar_one()
+            if count < 2:
+                return None
+            middle = connection.execute(
+                _opened(select(opened_at), since, None).order_by(opened_at).offset(count // 2).limit(1)
+            ).scalar_one()
+        return ReplaySplit(count, middle)
 
-def _decisions(since: datetime | None) -> Select[*tuple[Any, ...]]:
+
+_Query = TypeVar("_Query", bound=Select[*tuple[Any, ...]])
+_INCIDENT_COLUMNS = select(
+    col(IncidentRecord.id),
+    col(IncidentRecord.node),
+    col(IncidentRecord.scope),
+    col(IncidentRecord.flow_run_id),
+)
+
+
+def _opened(query: _Query, since: datetime | None, until: datetime | None) -> _Query:
+    """`query` over the incidents opened since `since` and before `until` (either may be None)."""
+    if since is not None:
+        query = query.where(col(IncidentRecord.opened_at) >= since)
+    return query if until is None else query.where(col(IncidentRecord.opened_at) < until)
+
+
+def _decisions(incidents: Select[*tuple[Any, ...]] | None) -> Select[*tuple[Any, ...]]:
     columns = [
         col(c)
         for c in (
+            DecisionRecord.id,
             DecisionRecord.incident_id,
             DecisionRecord.decided_at,
             DecisionRecord.rule,
-            DecisionRecord.classification,
             DecisionRecord.action,
             DecisionRecord.diagnose_level,
-            DecisionRecord.reason,
             DecisionRecord.guardrail,
-            DecisionRecord.blocked_action,
-            DecisionRecord.policy_sha256,
-            IncidentRecord.node,
-            IncidentRecord.scope,
-            IncidentRecord.flow_run_id,
         )
     ]
     # The facts as JSON text: pydantic reads it in one pass (medic.policy.replay.FactsRecord).
     facts = cast(col(DecisionRecord.facts), Text).label("facts")
-    query = select(*columns, facts).join(
-        IncidentRecord, col(IncidentRecord.id) == col(DecisionRecord.incident_id)
-    )
-    if since is not None:
-        query = query.where(col(IncidentRecord.opened_at) >= since)
+    query = select(*columns, facts)
+    if incidents is not None:
+        query = query.where(col(DecisionRecord.incident_id).in_(incidents))
     return query.order_by(col(DecisionRecord.decided_at), col(DecisionRecord.id))
 
 
-def _recorded(row: Any) -> RecordedDecision:
-    decision = Decision(
-        incident=row.incident_id,
-        classification=Classification(row.classification),
-        action=Action(row.action),
-        diagnose_level=row.diagnose_level,
-        rule=row.rule,
-        reason=row.reason,
-        policy_sha256=row.policy_sha256,
-        guardrail=row.guardrail,
-        blocked_action=Action(row.blocked_action) if row.blocked_action else None,
-    )
+def _recorded(row: Any, incident: Any, outcomes: dict[tuple[Any, ...], Outcome]) -> RecordedDecision:
+    id_, incident_id, decided_at, rule, action, level, guardrail, facts = row
+    # Decisions come in few outcomes (a rule, its action and level, the guardrail): one object each.
+    key = (rule, action, level, guardrail)
+    outcome = outcomes.get(key)
+    if outcome is None:
+        outcome = outcomes[key] = Outcome(
+            rule=rule, action=Action(action), diagnose_level=level, guardrail=guardrail
+        )
     return RecordedDecision(
-        incident=row.incident_id,
-        node=row.node,
-        scope="switch" if row.scope == "switch" else "node",
-        decided_at=row.decided_at,
-        decision=decision,
+        id=id_,
+        incident=incident_id,
+        node=incident.node,
+        scope="switch" if incident.scope == "switch" else "node",
+        decided_at=decided_at,
+        outcome=outcome,
         # A decision recorded without facts holds SQL NULL, or JSON null when written through the ORM.
-        facts=None if row.facts in (None, "null") else row.facts,
-        flow_run_id=row.flow_run_id,
+        facts=None if facts is None or facts == "null" else facts,
+        flow_run_id=incident.flow_run_id,
     )
+
+
+_KINDS = {kind.value: kind for kind in EventKind}
+# Stored events were validated when accepted and are kept as FaultEvent dumps them: each is built
+# as a copy of one event with its fields replaced. `model_construct` would look up every field's
+# aliases and defaults again for each of the hundreds of thousands of rows, at three times the cost.
+_BLANK = FaultEvent.model_construct(
+    id="-", time=datetime.min, source="-", kind=EventKind.XID, node="-", attributes={}
+)
 
 
 def _event(row: Any) -> FaultEvent:
-    # Validated when accepted, before they were stored; the store holds them as FaultEvent dumps them.
-    return FaultEvent.model_construct(
-        id=row.id,
-        time=row.time,
-        source=row.source,
-        kind=EventKind(row.kind),
-        node=row.node,
-        gpu=row.gpu,
-        job=row.job,
-        rank=row.rank,
-        iteration=row.iteration,
-        switch=row.switch,
-        attributes=row.attributes or {},
-    )
+    id_, time, source, kind, node, gpu, job, rank, iteration, switch, attributes, _ = row
+    event = copy(_BLANK)
+    fields = {
+        "id": id_,
+        "time": time,
+        "source": source,
+        "kind": _KINDS[kind],
+        "node": node,
+        "gpu": gpu,
+        "job": job,
+        "rank": rank,
+        "iteration": iteration,
+        "switch": switch,
+        "attributes": attributes or {},
+    }
+    object.__setattr__(event, "__dict__", fields)  # frozen: set as pydantic sets it
+    return event

@@ -1,0 +1,304 @@
+"""What `medic policy replay` reports, and the half of the replay that makes it: the new policy's
+guardrails replayed in time order over the decisions made again (medic/policy/replay.py), as
+`medic triage` replays them, then every incident's story compared with the recorded one.
+
+The JSON form of `ReplayReport` is a public contract (docs/policy.md#replay); tests pin it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter, defaultdict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+
+from medic.incidents import Scope
+from medic.policy import LoadedPolicy, guardrails
+from medic.policy.guardrails import UNGUARDED, Acting, FleetState, takes_node_out
+from medic.policy.model import Action, Policy
+from medic.triage import _ReplayedFleet
+
+SCHEMA_VERSION = 1
+
+
+class Outcome(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rule: str
+    action: Action
+    diagnose_level: int | None = None
+    guardrail: str | None = None
+
+
+class Count(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    before: int = 0
+    after: int = 0
+
+
+class ChangedIncident(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    incident: str
+    node: str
+    decided_at: datetime  # the incident's last decision
+    before: Outcome  # its last decision as recorded
+    after: Outcome  # the same decision made by the new policy
+    steps_before: list[str]  # every decision of the incident, oldest first: `diagnose 2`, `reboot`
+    steps_after: list[str]
+    command: str  # shows the incident's record: `medic incident ID`
+    flow_run_id: str | None
+    flow_run_url: str | None = None  # its run in the Prefect UI, where the UI's address is known
+
+
+class NodeChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    node: str
+    taken_out_before: int  # decisions that took the node out of service
+    taken_out_after: int
+
+
+class Trip(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    incident: str
+    node: str
+    decided_at: datetime
+    guardrail: str
+    blocked_action: Action
+    recorded: bool  # the recorded decision was stopped by the same guardrail
+    reason: str
+
+
+class ReplayReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = SCHEMA_VERSION
+    policy: str
+    policy_sha256: str
+    since: datetime | None
+    incidents: int
+    decisions: int
+    rebuilt: int  # decisions recorded without facts: facts rebuilt from the stored events
+    skipped: int  # decisions whose events are no longer in the store: not replayed
+    changed: int  # incidents with a different sequence of actions
+    actions: dict[str, Count]  # by action, over each incident's last decision
+    rules: dict[str, Count]  # by winning rule, over each incident's last decision
+    changes: list[ChangedIncident]
+    nodes: list[NodeChange]  # only the nodes taken out a different number of times
+    guardrails: list[Trip]  # every replayed decision a guardrail stopped
+    exceeded: list[str] = []  # the limits given (`--max-changed`) that the changes go over
+
+    @property
+    def changed_percent(self) -> float:
+        return 100 * self.changed / self.incidents if self.incidents else 0.0
+
+
+class Redecided(NamedTuple):
+    """A recorded decision made again by the new policy, before its guardrails. A tuple of plain values
+    and shared outcomes: a process deciding part of a replay hands its decisions over in one piece."""
+
+    decided_at: datetime
+    id: int  # the decision's row: of two made at one moment, the one recorded first came first
+    incident: str
+    node: str  # the switch's name for a switch-wide incident
+    scope: Scope
+    before: Outcome  # as recorded
+    after: Outcome  # as the new policy decides, before its guardrails
+    fleet_size: int | None  # the guardrails' percentages are of this many nodes
+    last: bool  # the incident's last decision
+    flow_run_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Redecisions:
+    """Recorded decisions made again (medic.policy.replay.redecide), in the order they were made, and
+    what they read beyond their own incidents (medic.policy.replay.decided_as_one)."""
+
+    decisions: Sequence[Redecided]
+    rebuilt: int  # decisions recorded without facts: facts rebuilt from the stored events
+    skipped: int  # decisions whose events are no longer in the store: not decided again
+    held: tuple[datetime, datetime] | None = None  # the stretch of the cluster's events the history held
+    read: tuple[datetime, datetime] | None = None  # the stretch their windowed conditions may have read
+    earliest: datetime | None = None  # their incidents' earliest event
+    switch_sizes_recorded: bool = False  # some decision recorded the size of its switch
+    switch_sizes_missing: bool = False  # some decision under a switch recorded no size for it
+
+
+def judge(
+    parts: Sequence[Redecisions], loaded: LoadedPolicy, closed_at: Iterable[datetime], since: datetime | None
+) -> ReplayReport:
+    """Replay the new policy's guardrails over the decisions made again, all parts together in the
+    order the decisions were made, and compare each incident with what was recorded."""
+    fleet = _Fleet(loaded.policy, closed_at)
+    judged: list[tuple[Redecided, Outcome]] = []
+    trips: list[Trip] = []
+    for decided in heapq.merge(*(part.decisions for part in parts)):
+        after, stopped = fleet.apply(decided)
+        if stopped is not None:
+            name, why = stopped
+            trips.append(
+                Trip(
+                    incident=decided.incident,
+                    node=decided.node,
+                    decided_at=decided.decided_at,
+                    guardrail=name,
+                    blocked_action=decided.after.action,
+                    recorded=decided.before.guardrail == name,
+                    reason=why,
+                )
+            )
+        judged.append((decided, after))
+    rebuilt = sum(part.rebuilt for part in parts)
+    return _report(judged, trips, loaded, since, rebuilt, sum(part.skipped for part in parts))
+
+
+def _acted(last: bool, decision: Acting) -> bool:
+    """Whether the flow acted on a decision: the incident's last one, or a diagnostic the ladder runs.
+    Triage's first answer is recorded too, but the final decision is what is done."""
+    return last or decision.action is Action.DIAGNOSE
+
+
+class _Fleet:
+    """The fleet as the new decisions would have left it: a node taken out stays out until a later
+    decision returns it; a breaker the replay opens stays open until a human closed the real one."""
+
+    def __init__(self, policy: Policy, closed_at: Iterable[datetime]) -> None:
+        self.guardrails = policy.guardrails
+        self.fleet = _ReplayedFleet(None)
+        breaker = self.guardrails.circuit_breaker
+        self.breaker_window = timedelta(minutes=breaker.window_minutes if breaker else 0)
+        self.taken_out: deque[tuple[datetime, str]] = deque()  # (when, node), oldest first
+        self.closings = sorted(closed_at)
+        self.tripped_at: datetime | None = None
+
+    def apply(self, decided: Redecided) -> tuple[Outcome, tuple[str, str] | None]:
+        """The new decision as its guardrails let it be, and the guardrail that stopped it with why."""
+        now, fleet, decision = decided.decided_at, self.fleet, decided.after
+        if decision.action in UNGUARDED:
+            return decision, None  # nothing stops it, and the fleet stays as it is (half of all decisions)
+        fleet.fleet_size = decided.fleet_size
+        # Only the breaker reads when nodes went out, and only within its window: dropping the older
+        # ones as the replay goes keeps each decision's check short over weeks of decisions.
+        while self.taken_out and self.taken_out[0][0] < now - self.breaker_window:
+            went, node = self.taken_out.popleft()
+            if fleet.taken_out_at.get(node) == went:
+                del fleet.taken_out_at[node]
+        tripped_at = self.tripped_at
+        if fleet.breaker_open and any(
+            tripped_at is not None and tripped_at < c <= now for c in self.closings
+        ):
+            fleet.breaker_open = False  # a human closed the real breaker since the replayed one opened
+        # Only a decision that takes a node out meets a fleet limit (docs/policy.md#guardrails): the
+        # fleet's snapshot is taken for those alone.
+        state = fleet.state(now, now) if takes_node_out(decision) else FleetState(now)
+        stopped = guardrails.check(self.guardrails, state, decided.node, decision, decided.scope)
+        after = decision
+        if stopped is not None:  # escalated instead, as `guardrails.apply` turns a stopped decision
+            after = Outcome(rule=decision.rule, action=Action.ESCALATE, guardrail=stopped[0])
+            if stopped[0] == "circuit_breaker" and not fleet.breaker_open:
+                # Opened by any decision, as the flows open it.
+                self.tripped_at, fleet.breaker_open = now, True
+        if _acted(decided.last, after):
+            fleet.record(decided.node, now, after)
+            if takes_node_out(after):
+                self.taken_out.append((now, decided.node))
+        return after, stopped
+
+
+def _step_label(decision: Acting) -> str:
+    if decision.action is Action.DIAGNOSE and decision.diagnose_level is not None:
+        return f"diagnose {decision.diagnose_level}"
+    return decision.action.value
+
+
+def _steps(decisions: Iterable[Acting]) -> list[str]:
+    """An incident's decisions as labels, a decision repeated at the next stage (triage's first
+    answer, then the same final decision) once."""
+    labels: list[str] = []
+    for decision in decisions:
+        label = _step_label(decision)
+        if not labels or labels[-1] != label:
+            labels.append(label)
+    return labels
+
+
+def _report(
+    judged: Iterable[tuple[Redecided, Outcome]],
+    trips: list[Trip],
+    loaded: LoadedPolicy,
+    since: datetime | None,
+    rebuilt: int,
+    skipped: int,
+) -> ReplayReport:
+    by_incident: dict[str, list[tuple[Redecided, Outcome]]] = defaultdict(list)
+    taken_before: Counter[str] = Counter()
+    taken_after: Counter[str] = Counter()
+    decisions = 0
+    for decided, after in judged:
+        decisions += 1
+        by_incident[decided.incident].append((decided, after))
+        before = decided.before
+        if _acted(decided.last, before) and takes_node_out(before):
+            taken_before[decided.node] += 1
+        if _acted(decided.last, after) and takes_node_out(after):
+            taken_after[decided.node] += 1
+    tally: dict[str, Counter[str]] = {"actions before": Counter(), "actions after": Counter()}
+    tally |= {"rules before": Counter(), "rules after": Counter()}
+    changes: list[ChangedIncident] = []
+    for incident, its in by_incident.items():
+        final, after = its[-1]
+        before = final.before
+        tally["actions before"][before.action.value] += 1
+        tally["actions after"][after.action.value] += 1
+        tally["rules before"][before.rule] += 1
+        tally["rules after"][after.rule] += 1
+        if all(d.before.action is a.action and d.before.diagnose_level == a.diagnose_level for d, a in its):
+            continue  # the same steps, as most incidents' are
+        steps_before = _steps(decided.before for decided, _ in its)
+        steps_after = _steps(outcome for _, outcome in its)
+        if steps_before != steps_after:
+            changes.append(
+                ChangedIncident(
+                    incident=incident,
+                    node=final.node,
+                    decided_at=final.decided_at,
+                    before=before,
+                    after=after,
+                    steps_before=steps_before,
+                    steps_after=steps_after,
+                    command=f"medic incident {incident}",
+                    flow_run_id=final.flow_run_id,
+                )
+            )
+    nodes = [
+        NodeChange(node=n, taken_out_before=taken_before[n], taken_out_after=taken_after[n])
+        for n in sorted(taken_before.keys() | taken_after.keys())
+        if taken_before[n] != taken_after[n]
+    ]
+    nodes.sort(key=lambda c: -abs(c.taken_out_after - c.taken_out_before))
+    return ReplayReport(
+        policy=loaded.path,
+        policy_sha256=loaded.sha256,
+        since=since,
+        incidents=len(by_incident),
+        decisions=decisions,
+        rebuilt=rebuilt,
+        skipped=skipped,
+        changed=len(changes),
+        actions=_counts(tally["actions before"], tally["actions after"]),
+        rules=_counts(tally["rules before"], tally["rules after"]),
+        changes=changes,
+        nodes=nodes,
+        guardrails=trips,
+    )
+
+
+def _counts(before: Counter[str], after: Counter[str]) -> dict[str, Count]:
+    return {k: Count(before=before[k], after=after[k]) for k in sorted(before.keys() | after.keys())}

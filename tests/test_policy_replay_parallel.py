@@ -1,0 +1,220 @@
+"""`medic policy replay` at scale: in two processes (apps/cli/replay_parallel.py), the report one replay
+in one process makes, whether the halves stand for it or the replay is made again whole; and in one
+process, the report the cluster's every event would give, from a context of the kinds the policy counts."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+import apps.cli.replay_parallel as parallel
+from bench.replay import fill
+from medic.config import REPO_ROOT
+from medic.events import EventKind
+from medic.policy import LoadedPolicy, load_policy
+from medic.policy.model import Action, Policy
+from medic.policy.replay import History, decided_as_one, replay
+from medic.policy.replay_report import Outcome, Redecided, Redecisions, ReplayReport
+from medic.store import Store
+
+DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
+    """600 incidents over 90 days, two decisions each with their facts, as `bench.replay` fills a store."""
+    store = Store(f"sqlite:///{tmp_path_factory.mktemp('halves') / 'medic.db'}")
+    fill(store, load_policy(DEFAULT_POLICY), 600)
+    yield store
+    store.close()
+
+
+def edited(directory: Path, old: str, new: str) -> LoadedPolicy:
+    path = directory / "new.yaml"
+    policy = DEFAULT_POLICY.read_text()
+    assert old in policy, old
+    path.write_text(policy.replace(old, new, 1))
+    return load_policy(path)
+
+
+REBOOT = "      xid: [79]\n    then:\n      classification: hardware\n      action: reboot\n"
+EDITS = {
+    "the default policy": None,
+    "XID 79 replaces the node": (REBOOT, REBOOT.replace("reboot", "replace")),
+    # Three nodes out at most: nodes the earlier half's decisions leave out stop the later half's.
+    "three nodes out at most": ("max_out_of_service_percent: 10", "max_out_of_service: 3"),
+}
+
+
+@pytest.fixture
+def whole(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the replays made whole, in one process."""
+    made: list[int] = []
+
+    def counted(history: History, loaded: LoadedPolicy, since: datetime | None = None) -> ReplayReport:
+        made.append(1)
+        return replay(history, loaded, since)
+
+    monkeypatch.setattr(parallel, "replay", counted)
+    return made
+
+
+def in_one_process(store: Store, loaded: LoadedPolicy, since: datetime | None = None) -> ReplayReport:
+    return replay(store.replay_history(since=since, lookback=loaded.policy.lookback()), loaded, since)
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_two_halves_report_what_one_replay_does(
+    filled: Store, tmp_path: Path, whole: list[int], edit: str
+) -> None:
+    change = EDITS[edit]
+    loaded = edited(tmp_path, *change) if change else load_policy(DEFAULT_POLICY)
+    report = parallel.replay_store(filled, loaded, None, parallel_from=0)
+    assert whole == []  # the halves stood for the replay
+    assert report == in_one_process(filled, loaded)
+    assert report.incidents == 600
+    assert (report.changed > 0) is (change is not None)
+    assert bool(report.guardrails) is (edit == "three nodes out at most")
+
+
+def test_since_splits_the_incidents_it_keeps(filled: Store, whole: list[int]) -> None:
+    loaded = load_policy(DEFAULT_POLICY)
+    since = datetime(2026, 11, 1, tzinfo=UTC)
+    report = parallel.replay_store(filled, loaded, since, parallel_from=0)
+    assert whole == []
+    assert report == in_one_process(filled, loaded, since)
+    assert 0 < report.incidents < 600
+
+
+def test_below_the_threshold_one_process_replays(filled: Store, whole: list[int]) -> None:
+    loaded = load_policy(DEFAULT_POLICY)
+    assert parallel.replay_store(filled, loaded, None) == in_one_process(filled, loaded)
+    assert whole == [1]
+
+
+def test_a_context_of_the_kinds_the_policy_counts_decides_as_every_event_does(
+    filled: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loaded = load_policy(DEFAULT_POLICY)
+    assert loaded.policy.context_kinds() == {
+        EventKind.XID,
+        EventKind.ECC,
+        EventKind.GPU_MISSING,
+        EventKind.NODE_UNREACHABLE,
+        EventKind.NAN_LOSS,
+        EventKind.JOB_CRASH,
+        EventKind.NCCL_TIMEOUT,
+    }
+    counted = in_one_process(filled, loaded)
+    monkeypatch.setattr(Policy, "context_kinds", lambda self: frozenset(EventKind))
+    assert in_one_process(filled, loaded) == counted
+
+
+def test_facts_rebuilt_make_the_replay_whole(tmp_path: Path, whole: list[int]) -> None:
+    # Rebuilt facts read the node's history from where the half's history starts, not the whole's.
+    store = Store(f"sqlite:///{tmp_path / 'medic.db'}")
+    fill(store, load_policy(DEFAULT_POLICY), 100)
+    with store.engine.begin() as connection:
+        connection.execute(text("UPDATE decisions SET facts = NULL WHERE id % 3 = 0"))
+    loaded = load_policy(DEFAULT_POLICY)
+    report = parallel.replay_store(store, loaded, None, parallel_from=0)
+    assert whole == [1]
+    assert report == in_one_process(store, loaded)
+    assert report.rebuilt > 0
+    store.close()
+
+
+def test_a_half_that_fails_leaves_the_replay_to_this_process(
+    filled: Store, whole: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parent = os.getpid()
+    redecide = parallel.redecide
+
+    def fails_in_the_child(history: History, loaded: LoadedPolicy) -> Redecisions:
+        if os.getpid() != parent:
+            raise RuntimeError("the later half's process fails")
+        return redecide(history, loaded)
+
+    monkeypatch.setattr(parallel, "redecide", fails_in_the_child)
+    loaded = load_policy(DEFAULT_POLICY)
+    assert parallel.replay_store(filled, loaded, None, parallel_from=0) == in_one_process(filled, loaded)
+    assert whole == [1]
+
+
+START = datetime(2026, 10, 1, tzinfo=UTC)
+HOUR = timedelta(hours=1)
+OUTCOME = Outcome(rule="r", action=Action.NONE)
+
+
+def half(
+    hours: tuple[int, int],
+    read: tuple[int, int] | None,
+    earliest: int,
+    held_from: int | None = None,
+    **flags: bool,
+) -> Redecisions:
+    """A part whose decisions are made from `hours[0]` to `hours[1]` (after START), holding the cluster's
+    events from an hour before its first (or from `held_from`) to its last; `read`: the hours its
+    windows read; `earliest`: its incidents' earliest event."""
+    first, last = (START + h * HOUR for h in hours)
+    decided = [
+        Redecided(at, 1, "inc", "node", "node", OUTCOME, OUTCOME, None, True, None) for at in (first, last)
+    ]
+    held = (START + held_from * HOUR if held_from is not None else first - HOUR, last)
+    reads = (START + read[0] * HOUR, START + read[1] * HOUR) if read else None
+    return Redecisions(decided, 0, 0, held, reads, START + earliest * HOUR, **flags)
+
+
+def test_halves_stand_for_one_replay_only_where_nothing_reads_across() -> None:
+    # One replay of both would hold the cluster's events from an hour before the first decision (0).
+    earlier = half((1, 10), (1, 9), 1)
+    later = half((9, 20), (8, 20), 8, held_from=7)
+    assert decided_as_one([earlier, later], HOUR)
+    # Windows past the end of what a part holds, or before its start:
+    assert not decided_as_one([half((1, 10), (1, 11), 1), later], HOUR)
+    assert not decided_as_one([earlier, half((9, 20), (6, 20), 8, held_from=7)], HOUR)
+    # Before the one replay's start only where the other part's incidents have no events:
+    reaching = half((1, 10), (-1, 9), 1)
+    assert decided_as_one([reaching, later], HOUR)
+    assert not decided_as_one([reaching, half((9, 20), (8, 20), -1, held_from=7)], HOUR)
+    # A part holding events from before the one replay's start holds more than it would:
+    assert not decided_as_one([earlier, half((9, 20), (-1, 20), 8, held_from=-2)], HOUR)
+    # A decision with no size for its switch takes the one recorded last before it, by any incident:
+    sized = half((1, 10), None, 1, switch_sizes_recorded=True)
+    assert not decided_as_one([sized, half((9, 20), None, 8, switch_sizes_missing=True)], HOUR)
+    assert decided_as_one([sized, half((9, 20), None, 8)], HOUR)
+    # Facts rebuilt or events gone: not one replay, whatever else.
+    gone = Redecisions(earlier.decisions, 0, 1, earlier.held, earlier.read, earlier.earliest)
+    assert not decided_as_one([gone, later], HOUR)
+
+
+def test_the_store_splits_by_opening_and_each_half_holds_its_own(store: Store) -> None:
+    loaded = load_policy(DEFAULT_POLICY)
+    fill(store, loaded, 40)
+    lookback = loaded.policy.lookback()
+    split = store.replay_split(None)
+    assert split is not None and split.incidents == 40
+    one = store.replay_history(since=None, lookback=lookback)
+    start = split.middle - lookback
+    earlier = store.replay_history(since=None, until=split.middle, lookback=lookback)
+    later = store.replay_history(since=split.middle, lookback=lookback, start=start)
+    assert [d.id for d in earlier.decisions] + [d.id for d in later.decisions] == [
+        d.id for d in one.decisions
+    ]
+    assert len({d.incident for d in earlier.decisions}) == 20
+    assert later.start == start and later.end == one.end
+    assert all(e.time >= start or e.id in _own_events(later) for e in later.events)
+    # Read back as they were recorded: the events the fill validated, field for field.
+    recorded = {e.id: e for e in one.events}
+    for event in later.events:
+        assert event == recorded[event.id] and event.model_dump() == recorded[event.id].model_dump()
+    assert store.replay_split(split.middle + timedelta(days=365)) is None
+
+
+def _own_events(history: History) -> set[str]:
+    return {e.id for events in history.incident_events.values() for e in events}
