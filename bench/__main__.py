@@ -12,12 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 from bench import (
+    ageing,
     agent,
     flow_overhead,
     hostile,
     ingest,
     live,
     policy,
+    prolog,
     replay,
     report,
     sentry,
@@ -36,8 +38,10 @@ BENCHMARKS: list[tuple[str, Callable[[], dict[str, Any]], Callable[[dict[str, An
     ("sentry", sentry.run, sentry.section),
     ("hostile", hostile.run, hostile.section),
     ("node agent", agent.run, agent.section),
+    ("slurm prolog", prolog.run, prolog.section),
     ("simulate", simulate.run, simulate.section),
     ("policy replay", replay.run, replay.section),
+    ("ageing", ageing.run, ageing.section),
 ]
 
 

@@ -27,6 +27,7 @@ from typing import IO, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from medic.ageing import PastIncident
 from medic.context import Context, index_keys
 from medic.culprit import Differential
 from medic.errors import MedicError
@@ -35,7 +36,7 @@ from medic.facts import HISTORY_WINDOW, RETURNS, TAKES_OUT, Facts, facts_of, tak
 from medic.incidents import Incident, Storms, incident_id
 from medic.intake import Rejection, bounded_lines, parse_line
 from medic.policy import LoadedPolicy, Policy, decide, guardrails
-from medic.policy.guardrails import HOUR, FleetState, takes_node_out
+from medic.policy.guardrails import HOUR, Acting, FleetState, takes_node_out
 from medic.policy.model import DESTRUCTIVE, Action, Decision
 
 
@@ -77,19 +78,20 @@ class _ReplayedFleet:
     def state(self, now: datetime, opened: datetime) -> FleetState:
         # Incidents come in order of opening, and every later decision happens after `opened`:
         # actions more than an hour before it can never matter again. Dropping them keeps a
-        # replay of a week of events linear. The snapshot shares the dicts (it is only read).
+        # replay of a week of events linear. The snapshot shares the set and dicts (it is only
+        # read): a copy of every node out of service, per decision, would cost more than deciding.
         self.destructive_at = [at for at in self.destructive_at if at >= opened - HOUR]
         return FleetState(
             now=now,
             fleet_size=self.fleet_size,
-            out_of_service=frozenset(self.out_of_service),
+            out_of_service=self.out_of_service,
             destructive_at=tuple(self.destructive_at),
             last_destructive=self.last_destructive,
             taken_out_at=self.taken_out_at,
             breaker_open=self.breaker_open,
         )
 
-    def record(self, node: str, now: datetime, decision: Decision) -> None:
+    def record(self, node: str, now: datetime, decision: Acting) -> None:
         if decision.guardrail == "circuit_breaker":
             self.breaker_open = True
         if takes_node_out(decision):
@@ -423,6 +425,9 @@ class Stream:
         self.open_keys: list[tuple[Key, int, _Open]] = []
         self.open_ends: list[tuple[int, int, _Open]] = []
         self.history: dict[str, _History] = {}
+        # Decided incidents that named a GPU, per node, as far back as `gpu_incidents` looks.
+        self.gpu_reach = policy.gpu_history_lookback()
+        self.gpu_history: dict[str, deque[PastIncident]] = {}
         # Closed incidents not yet decided, in the order they opened.
         self.ready: list[tuple[Key, int, Incident]] = []
         self.serial = 0  # tie-break for heap entries (incidents and bursts do not compare)
@@ -567,7 +572,9 @@ class Stream:
         # Out of service as the earlier decisions would have left it, or as the input records it:
         # a drain or reboot of ours that nothing returned, as the live path reads the scheduler.
         out = incident.node in self.fleet.out_of_service or taken_out_by_us(incident.history)
-        facts = facts_of(incident, out_of_service=out, context=self.context)
+        facts = facts_of(
+            incident, out_of_service=out, context=self.context, gpu_history=self._gpu_history(incident)
+        )
         decision = guardrails.apply(
             self.policy.guardrails,
             self.fleet.state(now, incident.opened_at),
@@ -576,7 +583,20 @@ class Stream:
             incident.scope,
         )
         self.fleet.record(incident.node, now, decision)
+        if self.gpu_reach and incident.scope == "node" and facts.gpus:
+            past = PastIncident.of(incident, decision.classification.value)
+            self.gpu_history.setdefault(incident.node, deque()).append(past)
         return Replayed(incident, facts, decision)
+
+    def _gpu_history(self, incident: Incident) -> tuple[PastIncident, ...]:
+        """The node's incidents decided before this one, within reach. Every later decision is of
+        an incident opened later, so what is out of reach from this one's opening is gone for good."""
+        past = self.gpu_history.get(incident.node)
+        if not past:
+            return ()
+        while past and past[0].opened_at < incident.opened_at - self.gpu_reach:
+            past.popleft()
+        return tuple(past)
 
     def _prune(self) -> None:
         """Forget context no decision to come can reach: each ends no earlier than its incident

@@ -33,6 +33,7 @@ from integrations.sim.fleet import SimFleet
 from medic.config import REPO_ROOT
 from medic.dcgm_errors import Severity
 from medic.facts import facts_of
+from medic.policy import Action
 from medic.protocols import DiagnosticResult, Diagnostics, NodeState
 from medic.store import Store
 from tasks import runtime as runtime_module
@@ -501,7 +502,7 @@ def test_verification_never_reintegrates_on_an_incomplete_run(
     sqlite_store.open_incident(inc)
     backends.scheduler.drain(node, "medic: DCGM level 2")
     fake.mode("fixture", fixture)
-    outcome = verify.fn(inc.id, node, 2, ready_timeout_s=1)
+    outcome = verify.fn(inc.id, node, 2, Action.REBOOT, ready_timeout_s=1)
     assert outcome.passed is passed, outcome.detail
     state = backends.scheduler.node(node).state
     assert state is (NodeState.IDLE if passed else NodeState.DRAINED)

@@ -19,6 +19,7 @@ from flows.dispatch import Dispatch, remediate_all
 from flows.remediate import remediate
 from integrations.sim.fleet import SimFleet
 from integrations.sim.notifier import RecordingNotifier
+from medic.artifacts import Artifact
 from medic.config import REPO_ROOT
 from medic.errors import PermanentError
 from medic.intake import Intake, read_lines
@@ -163,8 +164,18 @@ def test_straggler_climbs_to_level_2_and_replaces(
         .replace("required_for: [replace]", "required_for: []")
     )
     training.script_diagnostic("gpu-node-2", 2, "fail", ("DCGM_FR_FAULTY_MEMORY",))
+    # The slow rank's own profile, as the differential attaches it to the stragglers about it.
+    profile = {"profile_event": "p-1", "artifact": "/shared/medic/llm-r2-step16-profile.pt.trace.json"}
     stragglers = [
-        line(i, "straggler", "gpu-node-2", i * 10, job="llm", attributes={"step_time_ratio": 1.4})
+        line(
+            i,
+            "straggler",
+            "gpu-node-2",
+            i * 10,
+            job="llm",
+            rank=2,
+            attributes={"step_time_ratio": 1.4, **profile},
+        )
         for i in range(3)
     ]
     (outcome,) = run(runtime, stragglers).outcomes
@@ -177,6 +188,11 @@ def test_straggler_climbs_to_level_2_and_replaces(
     assert [(d.level, d.result) for d in detail.diagnostics] == [(2, "fail"), (1, "pass")]
     assert [d.rule for d in detail.decisions] == ["sustained-straggler", "diag-isolate"]
     assert any(e.kind == "diagnostic" for e in detail.events)
+    # The message says where the evidence's files are.
+    notifier = runtime.backends.notifier
+    assert isinstance(notifier, RecordingNotifier)
+    (thread,) = notifier.threads.values()
+    assert thread.message.artifacts == (Artifact("profile of rank 2 on gpu-node-2", profile["artifact"]),)
 
 
 def test_failed_action_is_retried(runtime: Runtime, training: SimFleet) -> None:

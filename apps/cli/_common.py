@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -12,6 +12,9 @@ from rich.markup import escape
 from medic.config import load_settings
 from medic.intake import Intake
 from medic.policy import LoadedPolicy, PolicyError, load_policy
+
+if TYPE_CHECKING:
+    from tasks.runtime import Runtime
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)  # diagnostics stay one grep-able file:line line each
@@ -38,3 +41,21 @@ def report_rejections(intake: Intake) -> None:
         err.print(f"[yellow]rejected[/yellow] {escape(str(rejection))}")
     if intake.duplicates:
         err.print(f"[dim]ignored {len(intake.duplicates)} repeated event ids[/dim]")
+
+
+def runtime_or_exit(policy: Path | None) -> Runtime:
+    """The store, the configured backends and the policy, installed for the flows; exit 2 with what to
+    set when a backend is not configured or the policy does not load."""
+    # Imported here: the commands that run no flow start without the backends' modules.
+    from integrations.registry import BackendError, from_settings
+    from medic.store import Store
+    from tasks.runtime import Runtime, configure
+
+    settings = load_settings()
+    loaded = load_policy_or_exit(policy)
+    try:
+        backends = from_settings(settings)
+    except BackendError as error:  # not configured, or configured wrong: say what to set
+        err.print(f"[red]error:[/red] {escape(str(error))}")
+        raise typer.Exit(2) from None
+    return configure(Runtime(Store(settings.database_url), backends, Path(loaded.path)))

@@ -7,13 +7,17 @@ import typer
 from apps.cli._common import err
 from apps.cli.advise import advise_app
 from apps.cli.agent import agent
+from apps.cli.audit import audit_app
 from apps.cli.breaker import breaker_app
+from apps.cli.check import check_app
 from apps.cli.dcgm import dcgm_app
 from apps.cli.demo import demo
 from apps.cli.doctor import doctor
+from apps.cli.fleet import fleet_app
 from apps.cli.goodput import goodput
 from apps.cli.incidents import incident, incidents
 from apps.cli.policy import policy_app
+from apps.cli.report import report
 from apps.cli.serve import emit, serve
 from apps.cli.simulate import simulate
 from apps.cli.triage import ingest, schema, triage
@@ -39,6 +43,7 @@ for command in (
     demo,
     doctor,
     goodput,
+    report,
     simulate,
     schema,
 ):
@@ -47,6 +52,9 @@ app.add_typer(policy_app, name="policy")
 app.add_typer(dcgm_app, name="dcgm")
 app.add_typer(advise_app, name="advise")
 app.add_typer(breaker_app, name="breaker")
+app.add_typer(audit_app, name="audit")
+app.add_typer(check_app, name="check")
+app.add_typer(fleet_app, name="fleet")
 
 
 def main() -> None:

@@ -282,7 +282,8 @@ def demo(
         console.print(render.message_panel(thread.message, thread.replies))
     console.print(
         "\nNext: [bold]prefect flow-run ls[/bold] shows the runs; "
-        f"[bold]MEDIC_DATABASE_URL=sqlite:///{database} medic incident <id>[/bold] shows one step by step."
+        f"[bold]MEDIC_DATABASE_URL=sqlite:///{database} medic incident <id>[/bold] shows one step by step, "
+        "and [bold]medic report --html report.html[/bold] with the same variable the post-mortem."
     )
     if dispatch.failed:
         raise typer.Exit(1)

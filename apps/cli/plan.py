@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from medic.deep_check import verify_checks
 from medic.policy import Action, Decision
+from medic.policy.deep_checks import CheckName, DeepChecks
 from medic.policy.model import DESTRUCTIVE
 
 
-def plan_steps(decision: Decision, node: str, incident: str, jobs: list[str], verify_level: int) -> list[str]:
+def plan_steps(
+    decision: Decision, node: str, incident: str, jobs: list[str], verify_level: int, deep: DeepChecks
+) -> list[str]:
     action = decision.action
     if decision.guardrail:
         return [
@@ -25,7 +29,10 @@ def plan_steps(decision: Decision, node: str, incident: str, jobs: list[str], ve
             steps.append(f"{action.value.replace('_', ' ')} {node}")
         steps.extend(f"requeue job {job} from its last checkpoint, excluding {node}" for job in jobs)
         if action in DESTRUCTIVE:
-            steps.append(f"verify {node} at DCGM level {verify_level}, then resume it (or escalate)")
+            checks, level = verify_checks(deep, verify_level, action)
+            deeper = [c.value for c in checks if c is not CheckName.DCGM]
+            also = f" and its {', '.join(deeper)} checks" if deeper else ""
+            steps.append(f"verify {node} at DCGM level {level}{also}, then resume it (or escalate)")
     elif action is Action.REINTEGRATE:
         steps.append(f"resume {node} if medic drained it")
     elif action is Action.ESCALATE:

@@ -16,14 +16,20 @@ class PlottingUnavailable(RuntimeError):
     """Raised when matplotlib is not installed."""
 
 
-def write_plots(directory: Path, reports: list[Report], mtbf: list[tuple[int, float]]) -> list[Path]:
-    """goodput.png, badput.png, mtbf.png and summary.png (the first two side by side) in `directory`."""
+def figure_class() -> Any:
+    """matplotlib's Figure, drawn on its own canvas (`medic report --html` draws with it too)."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise PlottingUnavailable(
             "charts need matplotlib: pip install 'gpu-medic[plot]' (or pip install matplotlib)"
         ) from None
+    return Figure
+
+
+def write_plots(directory: Path, reports: list[Report], mtbf: list[tuple[int, float]]) -> list[Path]:
+    """goodput.png, badput.png, mtbf.png and summary.png (the first two side by side) in `directory`."""
+    Figure = figure_class()
     directory.mkdir(parents=True, exist_ok=True)
     first = reports[0]
     gpus = first.params["gpus"]

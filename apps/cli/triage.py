@@ -11,7 +11,6 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -28,19 +27,17 @@ from apps.cli._common import (
     err,
     load_policy_or_exit,
     report_rejections,
+    runtime_or_exit,
 )
 from apps.cli.plan import plan_steps
-from integrations.registry import BackendError, from_settings
-from medic.config import load_settings
 from medic.errors import PermanentError
 from medic.events import FaultEvent
 from medic.incidents import Incident
 from medic.intake import Intake
 from medic.intake import read_file as read_all
 from medic.policy.model import Decision
-from medic.store import Store
 from medic.triage import EventReader, OutOfOrder, Replayed, read_file, replay, stream, triage_line
-from tasks.runtime import Runtime, configure
+from tasks.runtime import Runtime
 
 
 def triage(
@@ -141,7 +138,7 @@ def ingest(
     from apps.cli.prefect_run import run_flows
     from flows.dispatch import remediate_all
 
-    rt = _runtime(policy)
+    rt = runtime_or_exit(policy)
     intake = read_all(events)
     if dry_run:
         _dry_run(rt, intake)
@@ -153,17 +150,6 @@ def ingest(
         err.print(f"[red]incident {incident_id} failed:[/red] {why}")
     if dispatch.failed:
         raise typer.Exit(1)
-
-
-def _runtime(policy: Path | None) -> Runtime:
-    settings = load_settings()
-    loaded = load_policy_or_exit(policy)
-    try:
-        backends = from_settings(settings)
-    except BackendError as error:  # not configured, or configured wrong: say what to set
-        err.print(f"[red]error:[/red] {escape(str(error))}")
-        raise typer.Exit(2) from None
-    return configure(Runtime(Store(settings.database_url), backends, Path(loaded.path)))
 
 
 def _dry_run(rt: Runtime, intake: Intake) -> None:
@@ -179,8 +165,14 @@ def _dry_run(rt: Runtime, intake: Intake) -> None:
     for result in replay(fresh, loaded, fleet_size=len(nodes)):
         d = result.decision
         jobs = _jobs_on(rt, result.incident) or result.incident.jobs
+        policy = loaded.policy
         steps = plan_steps(
-            d, result.incident.node, result.incident.id, jobs, loaded.policy.defaults.verify_level
+            d,
+            result.incident.node,
+            result.incident.id,
+            jobs,
+            policy.defaults.verify_level,
+            policy.deep_checks,
         )
         table.add_row(
             result.incident.id, result.incident.node, f"{d.action.value} ({d.rule})", "\n".join(steps)

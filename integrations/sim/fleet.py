@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from medic.errors import PermanentError, TransientError
 from medic.protocols import JobState, NodeState
@@ -59,6 +60,20 @@ class SimNode:
     gpu_resets: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class SimHardware:
+    """What a node's GPUs and links show the deep checks (NVML and an all-reduce)."""
+
+    gpus: int
+    nvlinks: int = 18  # per GPU: an H100 SXM's
+    missing: int = 0  # GPUs the driver does not enumerate (the last ones)
+    lost: tuple[int, ...] = ()  # enumerated GPUs that do not answer
+    links_down: tuple[tuple[int, int], ...] = ()  # (GPU, link)
+    busbw_gbps: float = 480.0  # all-reduce bus bandwidth across the node's own GPUs
+    fabric_busbw_gbps: float = 360.0  # ... across nodes: what the network gives each
+    wrong_results: bool = False  # an all-reduce on it computes wrong sums
+
+
 @dataclass(slots=True)
 class SimJob:
     id: str
@@ -84,6 +99,9 @@ class SimFleet:
     failures: dict[tuple[str, str], int] = field(default_factory=dict)
     permanent_failures: set[tuple[str, str]] = field(default_factory=set)  # fail as refused, not transient
     calls: list[tuple[str, str]] = field(default_factory=list)
+    # node -> its hardware when scripted (healthy otherwise), and what its next replacement brings.
+    hardware: dict[str, SimHardware] = field(default_factory=dict)
+    replacements: dict[str, SimHardware] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     @classmethod
@@ -144,6 +162,24 @@ class SimFleet:
     def script_diagnostic(self, node: str, level: int, result: str, error_ids: tuple[str, ...] = ()) -> None:
         with self.lock:
             self.diagnostic_script[(node, level)].append((result, error_ids))
+
+    def hardware_of(self, node: str) -> SimHardware:
+        with self.lock:
+            return self.hardware.get(node) or SimHardware(self.node(node).gpus)
+
+    def script_hardware(self, node: str, **changes: Any) -> None:
+        """Change what the node's hardware shows from now on (a GPU lost, a link down, slow links)."""
+        with self.lock:
+            self.hardware[node] = replace(self.hardware_of(node), **changes)
+
+    def script_replacement(self, node: str, **changes: Any) -> None:
+        """What the node's next replacement brings: healthy hardware unless changed here."""
+        with self.lock:
+            self.replacements[node] = replace(SimHardware(self.node(node).gpus), **changes)
+
+    def install_replacement(self, node: str) -> None:
+        with self.lock:
+            self.hardware[node] = self.replacements.pop(node, None) or SimHardware(self.node(node).gpus)
 
     def fail_next(self, node: str, action: str, times: int = 1, *, permanent: bool = False) -> None:
         """The next `times` calls fail: transiently (the task layer retries them), or as refused."""

@@ -39,6 +39,7 @@ class SimProvider:
             # New hardware: whatever failures were scripted for the old one are gone.
             for key in [k for k in self.fleet.diagnostic_script if k[0] == node]:
                 self.fleet.diagnostic_script[key] = deque()
+            self.fleet.install_replacement(node)
         return f"replaced {node} with new hardware (replacement #{sim.replaced})"
 
     def booted_at(self, node: str) -> datetime | None:

@@ -1,4 +1,5 @@
-"""The store: every event, rejection, decision, diagnostic, action and stage, on any SQLAlchemy URL.
+"""The store: every event, rejection, decision, diagnostic, action and stage, on any SQLAlchemy URL,
+with a tamper-evident chain over the audited rows (medic/store/ledger.py).
 
 `Store` is the sum of one mixin per concern, each in its own module of medic/store/; they share
 only the engine and its sessions (medic/store/engine.py).
@@ -7,18 +8,22 @@ only the engine and its sessions (medic/store/engine.py).
 from __future__ import annotations
 
 from medic.store.actions import ActionsMixin
+from medic.store.ageing import AgeingMixin
 from medic.store.approvals import ApprovalsMixin
 from medic.store.breaker import BreakerMixin
 from medic.store.events import EventsMixin
 from medic.store.goodput import GoodputMixin
 from medic.store.incidents import IncidentsMixin
 from medic.store.metrics import MetricsMixin
+from medic.store.prune import PruneMixin
 from medic.store.rejections import RejectionsMixin
 from medic.store.replay import ReplayMixin
+from medic.store.report import ReportMixin
 from medic.store.stages import StagesMixin
 
 
 class Store(
+    ReportMixin,
     ReplayMixin,  # before EventsMixin, which it builds on
     EventsMixin,
     RejectionsMixin,
@@ -29,5 +34,7 @@ class Store(
     BreakerMixin,
     GoodputMixin,
     MetricsMixin,
+    AgeingMixin,
+    PruneMixin,  # and VerifyMixin, which it builds on: the audit chain
 ):
     pass
