@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy.exc import OperationalError
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # No backend falls back to the simulation (docs/config.md): the suite chooses it, for itself and for
@@ -96,9 +98,18 @@ def postgres_store(postgres_url: str) -> Iterator[Store]:
     from sqlalchemy import text
     from sqlmodel import SQLModel
 
-    with store.engine.begin() as conn:
-        tables = ", ".join(f'"{t.name}"' for t in SQLModel.metadata.sorted_tables)
-        conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY"))
+    tables = ", ".join(f'"{t.name}"' for t in SQLModel.metadata.sorted_tables)
+    for attempt in range(5):
+        try:
+            with store.engine.begin() as conn:
+                conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY"))
+            break
+        except OperationalError as error:
+            # A test's server or worker still winding down may hold one of the tables: PostgreSQL
+            # picks one of the two as a deadlock's victim, and the truncate is safe to repeat.
+            if "deadlock" not in str(error.orig) or attempt == 4:
+                raise
+            time.sleep(0.5)
     store.close()
 
 

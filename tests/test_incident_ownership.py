@@ -94,6 +94,30 @@ def test_evidence_after_the_window_joins_the_incident_still_being_handled(store:
     assert store.get_incident("inc-late") is None
 
 
+def test_evidence_stored_while_an_incident_was_active_joins_it_after_it_ended(store: Store) -> None:
+    """A replica that stored a duplicate while the node's incident was handled, but correlated it only
+    after that incident ended (its scheduler call hung through the node's reboot), joins the ended
+    incident: a second one would act on the node again for the same fault. Evidence stored after the
+    end opens a new incident."""
+    first = fault_event(node="gpu-node-4", id="e-1")
+    store.record_accepted([first])
+    store.open_or_join(incident(first, id="inc-e"), runner="a:serve-1:1", lease_s=30)
+    duplicate = fault_event(node="gpu-node-4", id="e-2", minutes=1)
+    store.record_accepted([duplicate])  # stored now, correlated only after the close below
+    store.update_incident("inc-e", status=IncidentStatus.CLOSED, closed_at=utcnow())
+
+    joined, opened = store.open_or_join(incident(duplicate, id="inc-dup"), runner="b:serve-2:2", lease_s=30)
+
+    assert not opened and joined.id == "inc-e"
+    assert [e.id for e in store.incident_events("inc-e")] == ["e-1", "e-2"]
+    assert store.get_incident("inc-dup") is None
+
+    recurrence = fault_event(node="gpu-node-4", id="e-3", minutes=30)
+    store.record_accepted([recurrence])
+    row, opened = store.open_or_join(incident(recurrence, id="inc-again"), runner="b:serve-2:2", lease_s=30)
+    assert opened and row.id == "inc-again"
+
+
 def test_a_handled_incident_is_not_opened_again_and_a_failed_one_runs_again(store: Store) -> None:
     event = fault_event(node="gpu-node-3", id="h-1")
     store.record_accepted([event])

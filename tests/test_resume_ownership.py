@@ -23,7 +23,7 @@ from integrations.sim.fleet import SimFleet
 from medic.config import REPO_ROOT
 from medic.events import FaultEvent
 from medic.intake import read_lines
-from medic.policy import load_policy
+from medic.policy import Action, load_policy
 from medic.protocols import NodeState
 from medic.statuses import IncidentStatus
 from medic.triage import triage
@@ -120,7 +120,7 @@ def test_verification_never_resumes_a_node_another_active_incident_holds(
     recorded_incident(runtime, "inc-ours", IncidentStatus.REMEDIATING)
     drained_for(runtime, "inc-holder")
 
-    outcome = verify.fn("inc-ours", NODE, 1, ready_timeout_s=1)
+    outcome = verify.fn("inc-ours", NODE, 1, Action.REBOOT, ready_timeout_s=1)
 
     assert outcome.passed and "not resumed: drained for incident inc-holder" in outcome.detail
     assert fleet.nodes[NODE].state is NodeState.DRAINED and "resume" not in calls(fleet)
@@ -130,7 +130,7 @@ def test_verification_resumes_the_node_its_own_incident_drained(runtime: Runtime
     recorded_incident(runtime, "inc-ours", IncidentStatus.REMEDIATING)
     drained_for(runtime, "inc-ours", "reboot")
 
-    outcome = verify.fn("inc-ours", NODE, 1, ready_timeout_s=1)
+    outcome = verify.fn("inc-ours", NODE, 1, Action.REBOOT, ready_timeout_s=1)
 
     assert outcome.passed and outcome.detail.endswith(f"resumed {NODE}")
     assert fleet.nodes[NODE].state is NodeState.IDLE

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import or_, update
+from sqlalchemy import func, or_, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
 from medic.incidents import Incident
-from medic.statuses import ACTIVE_INCIDENT_STATUSES, IncidentStatus
+from medic.statuses import ACTIVE_INCIDENT_STATUSES, TERMINAL_INCIDENT_STATUSES, IncidentStatus
 from medic.store.engine import StoreBase, utcnow
 from medic.store.ledger import audited
 from medic.store.tables import (
@@ -64,10 +64,17 @@ class IncidentsMixin(StoreBase):
         One active incident per subject is a unique partial index, so two replicas (or an ingest
         beside them) racing to open one get one incident between them; an incident id handled
         before (replayed input) is not opened again, and one whose run failed is run again.
+        Events stored while the subject's incident was still active join it even when they reach
+        here after it ended (a replica slowed down, a scheduler call that hung): the same fault's
+        late duplicates must not open a second incident that acts on the node again.
         """
         while True:
             with self.session() as s:
-                row = _active(s, incident.node, incident.scope) or s.get(IncidentRecord, incident.id)
+                row = (
+                    _active(s, incident.node, incident.scope)
+                    or s.get(IncidentRecord, incident.id)
+                    or _ended_after(s, incident, _received(s, incident))
+                )
                 if row is not None and row.status != IncidentStatus.FAILED:
                     _join(s, row, incident, owner)
                     s.commit()
@@ -237,6 +244,31 @@ def _active(s: Session, subject: str, scope: str) -> IncidentRecord | None:
         .where(IncidentRecord.node == subject)
         .where(IncidentRecord.scope == scope)
         .where(col(IncidentRecord.status).in_(sorted(ACTIVE_INCIDENT_STATUSES)))
+    )
+    return s.exec(query).first()
+
+
+def _received(s: Session, incident: Incident) -> datetime | None:
+    """When the store first received any of the incident's events (None: none stored yet)."""
+    ids = [e.id for e in incident.events]
+    if not ids:
+        return None
+    query = select(func.min(EventRecord.received_at)).where(col(EventRecord.id).in_(ids))
+    return s.exec(query).one()
+
+
+def _ended_after(s: Session, incident: Incident, received: datetime | None) -> IncidentRecord | None:
+    """The subject's incident that was handled (closed or escalated) after `received`: the one these
+    events would have joined had they been correlated when they arrived."""
+    if received is None:
+        return None
+    query = (
+        select(IncidentRecord)
+        .where(IncidentRecord.node == incident.node)
+        .where(IncidentRecord.scope == incident.scope)
+        .where(col(IncidentRecord.status).in_(sorted(TERMINAL_INCIDENT_STATUSES)))
+        .where(col(IncidentRecord.closed_at) >= received)
+        .order_by(col(IncidentRecord.closed_at).desc())
     )
     return s.exec(query).first()
 
