@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from flows.approval import await_approval
 from flows.ladder import diagnose_ladder
-from medic.artifacts import artifacts_of
+from medic.artifacts import Artifact, artifacts_of, step_artifacts
 from medic.audit import incident_markdown
 from medic.events import FaultEvent
 from medic.policy import Action, Decision
@@ -120,6 +120,13 @@ def _message(triaged: Triage, decision: Decision, evidence: list[FaultEvent]) ->
         },
         artifacts=artifacts_of(evidence),  # the culprit's stack dump or profile, to open from the message
     )
+
+
+def _kept_files(incident_id: str) -> tuple[Artifact, ...]:
+    """The files the incident's stages kept so far: the host evidence read before a reboot or
+    replacement (tasks/host_evidence.py)."""
+    detail = current().store.incident_detail(incident_id)
+    return step_artifacts(s.detail for s in detail.steps) if detail is not None else ()
 
 
 def _jobs_to_resume(incident_id: str, triaged: Triage, acted: ActOutcome) -> list[str]:
@@ -264,6 +271,7 @@ async def remediate(incident_id: str, node: str) -> Outcome:
         acted = ActOutcome(
             action=decision.action, status=ActStatus.ESCALATED, detail=f"action failed: {state.message}"
         )
+    await thread.attach(_kept_files(incident_id))
     await thread.say(
         f"Decision: {decision.action.value} (rule `{decision.rule}`) — {acted.status}: {acted.detail}"
     )

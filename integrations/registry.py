@@ -8,8 +8,12 @@
 | checkpoints | MEDIC_CHECKPOINTS | sim, a directory of DCP checkpoints, s3://...   |
 | notifier    | MEDIC_NOTIFIER    | slack (implied by SLACK_BOT_TOKEN), console, sim |
 
-The deep checks' backends (the NVML probe, the nccl-tests all-reduce) follow the diagnostics role:
-they reach the nodes the way DCGM does, or are simulated with it.
+Reservations (for sweeps, docs/sweeps.md) come with the scheduler: `Backends.reservations` is the
+scheduler where it implements `Reservations`, else None.
+
+The deep checks' backends (the NVML probe, the nccl-tests all-reduce) and the host evidence kept
+before a reboot or replacement (docs/host-evidence.md) follow the diagnostics role: they reach the
+nodes the way DCGM does, or are simulated with it.
 
 No role falls back to the simulation: one that is not configured stops `from_settings` with a
 `BackendNotConfiguredError` naming every such role and what to set. `MEDIC_BACKENDS=sim` is
@@ -31,6 +35,7 @@ from integrations.sim.checkpoints import SimCheckpoints
 from integrations.sim.deep_checks import SimAllReduce, SimInstanceProbe
 from integrations.sim.diagnostics import SimDiagnostics
 from integrations.sim.fleet import SimFleet
+from integrations.sim.host_evidence import SimHostEvidence
 from integrations.sim.notifier import RecordingNotifier
 from integrations.sim.provider import SimProvider
 from integrations.sim.scheduler import SimScheduler
@@ -40,9 +45,11 @@ from medic.protocols import (
     AllReduceTest,
     CheckpointStore,
     Diagnostics,
+    HostEvidence,
     InstanceProbe,
     NodeProvider,
     Notifier,
+    Reservations,
     Scheduler,
 )
 
@@ -92,6 +99,13 @@ class Backends:
     checkpoints: CheckpointStore
     instance: InstanceProbe
     all_reduce: AllReduceTest
+    host_evidence: HostEvidence
+
+    @property
+    def reservations(self) -> Reservations | None:
+        """The scheduler's reservations, for sweeps; None where it has none (Slurm and the simulation
+        do): then nothing is swept."""
+        return self.scheduler if isinstance(self.scheduler, Reservations) else None
 
 
 def simulated(fleet: SimFleet | None = None) -> tuple[Backends, SimFleet]:
@@ -104,6 +118,7 @@ def simulated(fleet: SimFleet | None = None) -> tuple[Backends, SimFleet]:
         checkpoints=SimCheckpoints(fleet),
         instance=SimInstanceProbe(fleet),
         all_reduce=SimAllReduce(fleet),
+        host_evidence=SimHostEvidence(fleet),
     )
     return backends, fleet
 
@@ -154,6 +169,18 @@ def _deep_checks(choice: Choice, env: Env, sim: Backends) -> tuple[InstanceProbe
 
     try:
         return NvmlProbe.from_env(env), NcclTestsAllReduce.from_env(env)
+    except ValueError as error:
+        raise BackendError(f"{choice.variable}={choice.value}: {error}") from None
+
+
+def _host_evidence(choice: Choice, env: Env, sim: Backends) -> HostEvidence:
+    """Read over DCGM's runner beside DCGM, simulated beside the simulation."""
+    if choice.value == "sim":
+        return sim.host_evidence
+    from integrations.host_evidence import NodeHostEvidence
+
+    try:
+        return NodeHostEvidence.from_env(env)
     except ValueError as error:
         raise BackendError(f"{choice.variable}={choice.value}: {error}") from None
 
@@ -251,4 +278,5 @@ def from_settings(settings: Settings, env: Env | None = None) -> Backends:
         checkpoints=_checkpoints(chosen["checkpoints"], env, sim.checkpoints),
         instance=instance,
         all_reduce=all_reduce,
+        host_evidence=_host_evidence(chosen["diagnostics"], env, sim),
     )

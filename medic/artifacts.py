@@ -2,6 +2,8 @@
 where people can open them.
 
 Events name them in `attributes.artifact`: a path on the job's shared file system (docs/culprit.md).
+The stages that keep files of their own (the host evidence read before a reboot or replacement,
+docs/host-evidence.md) name them in their step's `artifacts` detail.
 A path is no link in chat, so where a web server serves that file system, MEDIC_ARTIFACT_ROOT (the
 directory) and MEDIC_ARTIFACT_URL (the URL it is served at) turn a path under the root into its URL
 (docs/config.md). Any other path is shown as it is.
@@ -14,6 +16,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+from typing import Any
 from urllib.parse import quote
 
 from medic.events import FaultEvent
@@ -49,6 +52,17 @@ def artifacts_of(events: Iterable[FaultEvent]) -> tuple[Artifact, ...]:
         path = event.attributes.get("artifact")
         if isinstance(path, str) and path and path not in found:
             found[path] = Artifact(_what(event), path)
+    return tuple(found.values())
+
+
+def step_artifacts(details: Iterable[Mapping[str, Any] | None]) -> tuple[Artifact, ...]:
+    """Each file the steps' `artifacts` details name (`[{"what": ..., "path": ...}]`), once, in order."""
+    found: dict[str, Artifact] = {}
+    for detail in details:
+        for kept in (detail or {}).get("artifacts") or ():
+            path = kept.get("path") if isinstance(kept, Mapping) else None
+            if isinstance(path, str) and path and path not in found:
+                found[path] = Artifact(str(kept.get("what") or path), path)
     return tuple(found.values())
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from medic.artifacts import step_artifacts
 from medic.store import IncidentDetail
 
 
@@ -44,6 +45,10 @@ def incident_markdown(detail: IncidentDetail) -> str:
         lines.append("- none: the node was not touched")
     for a in detail.actions:
         lines.append(f"- {a.action} on {a.node}: **{a.status}** {a.detail}")
+    kept = step_artifacts(s.detail for s in detail.steps)
+    if kept:
+        lines += ["", "## Evidence files", ""]
+        lines += [f"- {a.what}: `{a.path}`" for a in kept]
     if detail.diagnostics:
         lines += [
             "",

@@ -34,6 +34,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from medic.artifacts import ARTIFACT_ROOT_VAR
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|ACCESS_KEY|PRIVATE|AUDIT_KEY", re.IGNORECASE)
 # The key of the store's audit chain (docs/store.md#tamper-evidence): HMAC, so that someone who can
@@ -132,6 +134,13 @@ class Settings:
     @property
     def provider(self) -> str | None:
         return self.backends["provider"].value
+
+    @property
+    def artifact_root(self) -> Path:
+        """Where GPU Medic writes the evidence it gathers itself (docs/host-evidence.md): under
+        MEDIC_ARTIFACT_ROOT, where the jobs' files are served from, else in the data directory."""
+        root = self.env.get(ARTIFACT_ROOT_VAR)
+        return Path(root) if root else self.home / "artifacts"
 
     def unconfigured(self) -> list[str]:
         """The roles nothing configures, in BACKEND_ROLES order."""

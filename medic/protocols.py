@@ -5,6 +5,7 @@ configuration without the flows changing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -67,6 +68,21 @@ class Scheduler(Protocol):
     def drain(self, name: str, reason: str) -> None: ...
     def resume(self, name: str) -> None: ...
     def requeue(self, job_id: str, exclude: list[str]) -> JobInfo: ...
+
+
+@runtime_checkable
+class Reservations(Protocol):
+    """Schedulers that can hold idle nodes for a while, so that no job lands on them during a sweep's
+    deep check (docs/sweeps.md). Apart from `Scheduler`: one without reservations is never swept.
+
+    `reserve` holds every node or none, for `minutes`, and returns the reservation's name; a node that
+    took a job meanwhile is refused with `medic.sweep.NodeBusyError`. `release` ends a reservation
+    (one already gone is no error). `reserved_nodes` lists the nodes our sweeps hold now: they count
+    as out of service for the guardrails."""
+
+    def reserve(self, nodes: Sequence[str], minutes: int, reason: str) -> str: ...
+    def release(self, name: str) -> None: ...
+    def reserved_nodes(self) -> frozenset[str]: ...
 
 
 @runtime_checkable
@@ -161,6 +177,35 @@ class InstanceReading:
 @runtime_checkable
 class InstanceProbe(Protocol):
     def read(self, node: str, timeout_s: float) -> InstanceReading: ...
+
+
+@dataclass(frozen=True, slots=True)
+class HostFile:
+    """One piece of a node's state, as it will be kept: `name` is a plain file name."""
+
+    name: str  # kernel-log.txt
+    what: str  # for people: "kernel log (NVRM, Xid, GPU lines)"
+    content: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class HostCapture:
+    """What could be read off a node before a reboot or replacement wipes it. Each part that could
+    not be read (missing, failed, out of time) is a line in `missing`, never an exception."""
+
+    node: str
+    files: tuple[HostFile, ...] = ()
+    missing: tuple[str, ...] = ()  # "nvidia-bug-report.sh: not installed on gpu-node-3"
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+@runtime_checkable
+class HostEvidence(Protocol):
+    """Reads the state a reboot or replacement destroys (kernel log, `nvidia-smi -q`, a bug report)
+    within `timeout_s` in all."""
+
+    def capture(self, node: str, timeout_s: float) -> HostCapture: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from medic.statuses import ACT_DONE_STATUSES, ActionStatus, ActStatus, StepStatu
 from medic.store.tables import ActionRecord
 from tasks import prefect_events
 from tasks.guard import guarded
+from tasks.host_evidence import keep_host_evidence
 from tasks.node_ops import ensure_drained, held_by_others, reintegrate_node, take_out_of_service
 from tasks.resume import JobsOff, move_jobs_off
 from tasks.retry import transient_only
@@ -99,13 +100,18 @@ def _call_provider(
         off = move_jobs_off(rt, incident_id, node)
         if off.stuck:
             return _not_called(rt, key, node, action, drained, off)
+        # Drained and idle, the node still holds what the action wipes: keep it, within a bound,
+        # never at the cost of the action (tasks/host_evidence.py).
+        kept = keep_host_evidence(rt, incident_id, node, action, key)
         done = _provider_call(rt, node, gpu, action)
     except Exception as error:
         rt.store.finish_action(key, ActionStatus.FAILED, f"{type(error).__name__}: {error}")
         raise
     rt.store.finish_action(key, ActionStatus.SUCCEEDED, done)
     return ActOutcome(
-        action=action, status=ActStatus.DONE, detail="; ".join(p for p in (drained, off.detail, done) if p)
+        action=action,
+        status=ActStatus.DONE,
+        detail="; ".join(p for p in (drained, off.detail, kept, done) if p),
     )
 
 

@@ -18,9 +18,10 @@ import logging
 import threading
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
+from medic.artifacts import Artifact
 from medic.errors import PermanentError
 from medic.protocols import Message, Notifier
 from medic.statuses import StepStatus
@@ -251,6 +252,18 @@ class IncidentThread:
     async def say(self, text: str) -> None:
         await self.open()
         self._outbox.put(_Outgoing("update", text=text, parent=self._head))
+
+    async def attach(self, artifacts: tuple[Artifact, ...]) -> None:
+        """List more evidence files: in the message itself while it is not queued yet (where they
+        are links), else in a reply."""
+        new = tuple(a for a in artifacts if a not in self.head.artifacts)
+        if not new:
+            return
+        self.head = replace(self.head, artifacts=(*self.head.artifacts, *new))
+        if not self.opened:
+            self._head.message = self.head
+            return
+        await self.say("Evidence files: " + "; ".join(f"{a.what}: {a.path}" for a in new))
 
     async def delivered(self, timeout: float) -> bool:
         """Wait up to `timeout` for the head to be delivered; False if it was not (yet)."""

@@ -103,6 +103,9 @@ class Runtime:
     store: Store
     backends: Backends
     policy_path: Path
+    # Where the host evidence kept before a reboot or replacement is written (tasks/host_evidence.py);
+    # None: none is captured.
+    artifact_root: Path | None = None
     _last_good: LoadedPolicy | None = field(default=None, repr=False)
     policy_problem: str | None = None
     _in_force_since: datetime | None = field(default=None, repr=False)
@@ -200,7 +203,12 @@ def current() -> Runtime:
     if _current is None:
         settings = load_settings()
         configure(
-            Runtime(Store(settings.database_url), registry.from_settings(settings), settings.policy_path)
+            Runtime(
+                Store(settings.database_url),
+                registry.from_settings(settings),
+                settings.policy_path,
+                settings.artifact_root,
+            )
         )
     assert _current is not None
     return _current

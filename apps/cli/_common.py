@@ -58,4 +58,6 @@ def runtime_or_exit(policy: Path | None) -> Runtime:
     except BackendError as error:  # not configured, or configured wrong: say what to set
         err.print(f"[red]error:[/red] {escape(str(error))}")
         raise typer.Exit(2) from None
-    return configure(Runtime(Store(settings.database_url), backends, Path(loaded.path)))
+    return configure(
+        Runtime(Store(settings.database_url), backends, Path(loaded.path), settings.artifact_root)
+    )
