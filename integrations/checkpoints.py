@@ -1,10 +1,8 @@
 """`CheckpointStore` over PyTorch Distributed Checkpoints (DCP) on a shared filesystem or S3.
 
-A job's checkpoints live in one folder (or S3 prefix) per step, `step-XXXXXXXX/`. DCP writes each
-rank's shard files first and the `.metadata` file last, so a save cut short leaves a folder with
-no `.metadata`, or with shards missing or shorter than the metadata says. Only a COMPLETE folder
-counts: `.metadata` present and readable by DCP's own reader, and every byte range its
-`storage_data` references present. The resume step is the newest complete one.
+What a complete checkpoint is, and how its folders are named, is defined once, in
+deployments/training/checkpoint_layout.py beside the job that writes them: the training process
+imports it without GPU Medic, and this module loads it from that file.
 
 torch is imported only when a checkpoint is actually read: it is an optional dependency
 (the `train` extra) and costs seconds to import.
@@ -12,14 +10,17 @@ torch is imported only when a checkpoint is actually read: it is an optional dep
 
 from __future__ import annotations
 
+import importlib.util
 import logging
-import re
+import sys
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from medic.config import REPO_ROOT
 from medic.errors import PermanentError
 from medic.protocols import Checkpoint
 
@@ -28,83 +29,53 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-METADATA_FILE = ".metadata"  # the name DCP's FileSystemWriter gives it
-STEP_DIR = re.compile(r"^step-(\d{8,})$")
+LAYOUT_FILE = REPO_ROOT / "deployments" / "training" / "checkpoint_layout.py"
 
 
-class IncompleteCheckpoint(PermanentError):
-    """Raised when a step folder cannot be resumed from, saying why (the store skips to an older one)."""
+def _load_layout() -> ModuleType:
+    """The job's own module, under the name the job imports it by, so both share its classes."""
+    name = LAYOUT_FILE.stem
+    loaded = sys.modules.get(name)
+    if loaded is not None and Path(loaded.__file__ or "").resolve() == LAYOUT_FILE:
+        return loaded
+    spec = importlib.util.spec_from_file_location(name, LAYOUT_FILE)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the checkpoint layout from {LAYOUT_FILE}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
+layout = _load_layout()
+METADATA_FILE: str = layout.METADATA_FILE
+step_dir_name = layout.step_dir_name
+parse_step = layout.parse_step
 
 
-def parse_step(name: str) -> int | None:
-    match = STEP_DIR.match(name)
-    return int(match.group(1)) if match else None
+class IncompleteCheckpoint(layout.IncompleteCheckpoint, PermanentError):
+    """Raised when a step folder cannot be resumed from, saying why (the store skips to an older one).
 
-
-def read_metadata(directory: Path) -> Metadata:
-    """DCP's metadata of a checkpoint folder, read by DCP itself; IncompleteCheckpoint if unreadable."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    if not (directory / METADATA_FILE).is_file():
-        raise IncompleteCheckpoint(f"no {METADATA_FILE} (the save did not finish)")
-    try:
-        return FileSystemReader(str(directory)).read_metadata()
-    except Exception as error:  # a torn pickle raises whatever the unpickler hits first
-        raise IncompleteCheckpoint(f"{METADATA_FILE} is unreadable: {error!r}") from None
-
-
-def required_sizes(metadata: Metadata) -> dict[str, int]:
-    """Each shard file the metadata references and the size it must at least have."""
-    sizes: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        end = info.offset + info.length
-        sizes[info.relative_path] = max(sizes.get(info.relative_path, 0), end)
-    return sizes
-
-
-def check_shards(metadata: Metadata, present: Mapping[str, int]) -> None:
-    """Raise IncompleteCheckpoint unless every referenced shard is present and long enough."""
-    required = required_sizes(metadata)
-    if not required:
-        raise IncompleteCheckpoint(f"{METADATA_FILE} references no shard files")
-    for name, size in sorted(required.items()):
-        if name not in present:
-            raise IncompleteCheckpoint(f"shard {name} is missing")
-        if present[name] < size:
-            raise IncompleteCheckpoint(f"shard {name} is truncated ({present[name]} of {size} bytes)")
+    The layout's own error, made permanent for GPU Medic's retry rules: a retry completes no checkpoint.
+    """
 
 
 def check_directory(directory: Path) -> Metadata:
     """The metadata of a complete checkpoint folder; IncompleteCheckpoint says why it is not."""
-    metadata = read_metadata(directory)
-    present = {p.name: p.stat().st_size for p in directory.iterdir() if p.is_file()}
-    check_shards(metadata, present)
-    return metadata
-
-
-def _newest_first(names: Iterable[str]) -> list[tuple[int, str]]:
-    steps = ((parse_step(name), name) for name in names)
-    return sorted(((step, name) for step, name in steps if step is not None), reverse=True)
+    try:
+        return layout.check_directory(directory)
+    except layout.IncompleteCheckpoint as why:
+        raise IncompleteCheckpoint(str(why)) from None
 
 
 def latest_in_directory(job: str, directory: Path) -> Checkpoint | None:
     """The newest complete checkpoint under `directory` (its `step-XXXXXXXX/` folders)."""
-    if not directory.is_dir():
+    found = layout.latest_complete(directory)
+    if found is None:
         return None
-    for step, name in _newest_first(p.name for p in directory.iterdir() if p.is_dir()):
-        folder = directory / name
-        try:
-            check_directory(folder)
-        except IncompleteCheckpoint as why:
-            log.info("skipping checkpoint %s: %s", folder, why)
-            continue
-        saved_at = datetime.fromtimestamp((folder / METADATA_FILE).stat().st_mtime, UTC)
-        return Checkpoint(job, step, saved_at, str(folder))
-    return None
+    step, folder = found
+    saved_at = datetime.fromtimestamp((folder / METADATA_FILE).stat().st_mtime, UTC)
+    return Checkpoint(job, step, saved_at, str(folder))
 
 
 class DcpCheckpointStore:
@@ -152,7 +123,7 @@ class S3CheckpointStore:
     def _read_metadata(self, key: str) -> Metadata:
         with tempfile.TemporaryDirectory(prefix="medic-dcp-") as scratch:
             self.client.download_file(self.bucket, key, str(Path(scratch) / METADATA_FILE))
-            return read_metadata(Path(scratch))
+            return layout.read_metadata(Path(scratch))
 
     def latest(self, job: str) -> Checkpoint | None:
         base = self.job_prefix(job)
@@ -161,15 +132,15 @@ class S3CheckpointStore:
             folder, _, name = key[len(base) :].partition("/")
             if name and "/" not in name:
                 by_step.setdefault(folder, {})[name] = item
-        for step, folder in _newest_first(by_step):
+        for step, folder in layout.newest_first(by_step):
             files = by_step[folder]
             location = f"s3://{self.bucket}/{base}{folder}"
             try:
                 if METADATA_FILE not in files:
-                    raise IncompleteCheckpoint(f"no {METADATA_FILE} (the save did not finish)")
+                    raise layout.IncompleteCheckpoint(f"no {METADATA_FILE} (the save did not finish)")
                 metadata = self._read_metadata(f"{base}{folder}/{METADATA_FILE}")
-                check_shards(metadata, {name: item["Size"] for name, item in files.items()})
-            except IncompleteCheckpoint as why:
+                layout.check_shards(metadata, {name: item["Size"] for name, item in files.items()})
+            except layout.IncompleteCheckpoint as why:
                 log.info("skipping checkpoint %s: %s", location, why)
                 continue
             saved_at = files[METADATA_FILE]["LastModified"].astimezone(UTC)

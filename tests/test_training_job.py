@@ -1,21 +1,27 @@
 """The reference training job under a real torchrun: crash, then resume from the last checkpoint.
 
-Four launches of ~5 s each on 2 cores: an uninterrupted reference run, a run whose rank 1 dies at
-step 25, and two resumes of that run's checkpoints (at 2 ranks, and resharded to 1).
+Five launches of ~5 s each on 2 cores: an uninterrupted reference run, a run whose rank 1 dies at
+step 25, two resumes of that run's checkpoints (at 2 ranks, and resharded to 1), and a run that
+torchrun restarts in place after a rank is killed.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import shutil
 import sys
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from torchrun_support import TRAINING_DIR, Run, torchrun
+from torchrun_support import LAUNCH_TIMEOUT_S, TRAIN_SCRIPT, TRAINING_DIR, Run, torchrun
 
 from integrations.checkpoints import latest_in_directory, parse_step
+from integrations.processes import descendants, kill
 from medic.events import EventKind
 
 STEPS, EVERY, FAIL_AT, NAN_AT = 40, 10, 25, 23
@@ -93,6 +99,40 @@ def test_resume_at_one_rank_reshards_the_checkpoint(reference: Run, crashed: Run
         # One rank sees the whole batch; its loss is the mean of the two half-batch losses.
         two_ranks = (float.fromhex(expected[(step, 0)]) + float.fromhex(expected[(step, 1)])) / 2
         assert float.fromhex(value) == pytest.approx(two_ranks, abs=1e-6), step
+
+
+def kill_a_rank_at(loss_log: Path, step: int) -> None:
+    """SIGKILL one rank of the torchrun this test runs once `step` is logged: a process lost, the node good."""
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if loss_log.exists() and any(
+            json.loads(line)["step"] >= step for line in loss_log.read_text().splitlines()
+        ):
+            ranks = [pid for pid in descendants(os.getpid()) if rank_process(pid)]
+            kill(max(ranks))
+            return
+        time.sleep(0.05)
+
+
+def rank_process(pid: int) -> bool:
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False  # exited while we looked
+    return str(TRAIN_SCRIPT).encode() in argv and b"torch.distributed.run" not in argv
+
+
+def test_torchrun_restarts_the_group_in_place_and_it_resumes_bit_for_bit(
+    reference: Run, tmp_path: Path
+) -> None:
+    # Slowed steps (a sleep, the losses unchanged), so the kill lands after step 20's checkpoint.
+    killer = threading.Thread(target=kill_a_rank_at, args=(tmp_path / "losses.jsonl", LAST_GOOD + 2))
+    killer.start()
+    run = torchrun(tmp_path, 2, *SCHEDULE, "--step-work-s=0.05", launcher_args=("--max-restarts=1",))
+    killer.join()
+    assert run.returncode == 0, run.output
+    assert f"rank 0: resumed from step {LAST_GOOD}" in run.output
+    assert run.losses() == reference.losses()  # the restarted attempt's lines come last and win
 
 
 @pytest.mark.parametrize(

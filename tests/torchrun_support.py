@@ -44,7 +44,13 @@ def kill_tree(process: subprocess.Popen[str]) -> None:
     process.wait()
 
 
-def torchrun(workdir: Path, ranks: int, *args: str, ckpt_dir: Path | None = None) -> Run:
+def torchrun(
+    workdir: Path,
+    ranks: int,
+    *args: str,
+    ckpt_dir: Path | None = None,
+    launcher_args: tuple[str, ...] = (),
+) -> Run:
     """Run the job to its end (or its failure); the loss log and events land in `workdir`."""
     workdir.mkdir(parents=True, exist_ok=True)
     run = Run(
@@ -61,6 +67,7 @@ def torchrun(workdir: Path, ranks: int, *args: str, ckpt_dir: Path | None = None
         f"--nproc-per-node={ranks}",
         "--master-addr=127.0.0.1",
         f"--master-port={free_port()}",
+        *launcher_args,
         str(TRAIN_SCRIPT),
         f"--ckpt-dir={run.ckpt_dir}",
         f"--loss-log={run.loss_log}",

@@ -21,11 +21,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
 
+# Wall clock, taken before torch's import (the longest part of a restart), so that a benchmark can set
+# a restart's phases against the time of the fault; the imports below must come after it.
+# ruff: noqa: E402
+STARTED = time.time()
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is deterministic only with this
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from checkpoint_layout import latest_complete, step_dir_name
 from medic_hooks import MedicHooks
 from profiling import StepProfiler
 from torch import nn
@@ -35,8 +40,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
-
-from integrations.checkpoints import latest_in_directory, step_dir_name
 
 FEATURES = 16
 HIDDEN = 64
@@ -207,12 +210,12 @@ def grads_finite(model: nn.Module) -> bool:
     return all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
 
 
-def resume_step(ckpt_dir: Path, job: str, rank: int) -> int:
+def resume_step(ckpt_dir: Path, rank: int) -> int:
     """The newest complete checkpoint's step (0 for none), decided by rank 0 for everyone."""
     found = [None]
     if rank == 0:
-        checkpoint = latest_in_directory(job, ckpt_dir)
-        found = [checkpoint.step if checkpoint else 0]
+        latest = latest_complete(ckpt_dir)
+        found = [latest[0] if latest else 0]
     dist.broadcast_object_list(found, src=0)
     step = found[0]
     assert step is not None  # rank 0 always fills it in before the broadcast
@@ -244,7 +247,14 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> No
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-def train(args: argparse.Namespace, hooks: MedicHooks, rank: int, world: int, device: torch.device) -> None:
+def train(
+    args: argparse.Namespace,
+    hooks: MedicHooks,
+    rank: int,
+    world: int,
+    device: torch.device,
+    timeline: dict[str, float],
+) -> None:
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} does not split over {world} ranks")
     torch.manual_seed(args.seed)
@@ -255,9 +265,10 @@ def train(args: argparse.Namespace, hooks: MedicHooks, rank: int, world: int, de
     # Adam's moment estimates are state too: resuming them is part of what the checkpoint proves.
     optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
 
-    start = resume_step(args.ckpt_dir, args.job, rank)
+    start = resume_step(args.ckpt_dir, rank)
     if start:
         load(ddp, optimizer, args.ckpt_dir / step_dir_name(start))
+        timeline["loaded"] = time.time()
         print(f"rank {rank}: resumed from step {start} ({args.ckpt_dir})", flush=True)
 
     args.loss_log.parent.mkdir(parents=True, exist_ok=True)
@@ -286,6 +297,10 @@ def train(args: argparse.Namespace, hooks: MedicHooks, rank: int, world: int, de
             line = {"step": step, "rank": rank, "world_size": world, "loss": value.hex()}
             losses.write(json.dumps(line) + "\n")
             losses.flush()
+            if start and step == start + 1 and rank == 0:
+                # Where a restart's time went, from the process's start to training again (bench/resume.py).
+                timeline["first_step"] = time.time()
+                print(f"rank 0: resume timeline {json.dumps(timeline)}", flush=True)
             if step % args.ckpt_every == 0:
                 folder = args.ckpt_dir / step_dir_name(step)
                 save(ddp, optimizer, folder, rank, DyingWriter(folder, hooks) if fault_here else None)
@@ -303,7 +318,19 @@ def pick_device(wanted: str, local_rank: int, local_world: int, gpus: int) -> to
     return torch.device("cuda", local_rank)
 
 
+def attempt_store(rank: int, world: int) -> dist.Store:
+    """torchrun's store, with this attempt's keys apart from those of the attempts before it.
+
+    torchrun keeps its store across the restarts of `--max-restarts`, and the process group writes
+    the same keys each time: a restarted rank can read a dead peer's address, and gloo's connect then
+    fails or hangs (11 of 15 restarts of 2 CPU ranks, torch 2.13, static and c10d rendezvous alike).
+    """
+    store, _, _ = next(dist.rendezvous("env://", rank, world))
+    return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    timeline = {"started": STARTED, "imported": time.time()}
     args = parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -311,12 +338,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = pick_device(args.device, local_rank, local_world, torch.cuda.device_count())
     torch.use_deterministic_algorithms(True)
     timeout = {"timeout": timedelta(seconds=args.collective_timeout_s)} if args.collective_timeout_s else {}
+    group = {"store": attempt_store(rank, world), "rank": rank, "world_size": world, **timeout}
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # Bound to its device up front, NCCL creates its communicator eagerly and warns of no guess.
-        dist.init_process_group("nccl", device_id=device, **timeout)
+        dist.init_process_group("nccl", device_id=device, **group)
     else:
-        dist.init_process_group("gloo", **timeout)
+        dist.init_process_group("gloo", **group)
+    timeline["joined"] = time.time()
     hooks = MedicHooks(
         job=args.job,
         node=node_name(args.node_of_rank, rank),
@@ -331,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.profile_steps:
         hooks.profile_on_demand(args.artifacts, steps=args.profile_steps)
     with hooks.watch():
-        train(args, hooks, rank, world, device)
+        train(args, hooks, rank, world, device, timeline)
     # No rank may tear the group down while another is still in its last save: that aborted
     # the slower rank (SIGABRT) now and then.
     dist.barrier()
