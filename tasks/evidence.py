@@ -85,10 +85,15 @@ def fleet_state(rt: Runtime, policy: Policy, now: datetime, nodes: list[NodeInfo
     destructive = rt.store.actions_since(now - max(HOUR, cooldown), [a.value for a in DESTRUCTIVE])
     window = timedelta(minutes=rails.circuit_breaker.window_minutes if rails.circuit_breaker else 0)
     drains = rt.store.actions_since(now - window, ["drain"])
+    # A sweep's reservation keeps jobs off its nodes as a drain does, though the scheduler shows
+    # them idle: they count, so that remediation and sweeps together stay within the limits.
+    reservations = rt.backends.reservations
+    reserved = reservations.reserved_nodes() if reservations is not None else frozenset()
     return FleetState(
         now=now,
         fleet_size=len(nodes),
-        out_of_service=counted_out_of_service(nodes, by_others=rails.count_out_of_service_by_others),
+        out_of_service=reserved
+        | counted_out_of_service(nodes, by_others=rails.count_out_of_service_by_others),
         destructive_at=tuple(a.intent_at for a in destructive),
         last_destructive={a.node: a.intent_at for a in destructive},
         taken_out_at={a.node: a.intent_at for a in drains},

@@ -30,7 +30,12 @@ def test_demo_remediates_hardware_and_leaves_application_faults_alone(
         "gpu-node-2": ("hardware", "replace", "closed"),
         "gpu-node-7": ("unknown", "none", "closed"),
         "leaf-3": ("infrastructure", "escalate", "escalated"),
+        # The nightly sweep: the idle node whose GPU 6 is wearing out, found before a job met it.
+        "gpu-node-12": ("hardware", "replace", "closed"),
     }
+    assert "gpu-node-12: held by reservation medic-sweep-sim-gpu-node-12, DCGM level 2 fail" in result.output
+    swept = store.incident_detail(incidents["gpu-node-12"].id)
+    assert swept is not None and [e.source for e in swept.events] == ["medic-sweep"]
     # The malformed lines were kept, not lost, and did not stop the rest.
     assert len(store.rejections()) == 2
     # The application fault touched nothing on its node.

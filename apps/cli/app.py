@@ -20,6 +20,7 @@ from apps.cli.policy import policy_app
 from apps.cli.report import report
 from apps.cli.serve import emit, serve
 from apps.cli.simulate import simulate
+from apps.cli.sweep import sweep_app
 from apps.cli.triage import ingest, schema, triage
 from integrations.registry import BackendError
 from medic.policy import PolicyError
@@ -55,6 +56,7 @@ app.add_typer(breaker_app, name="breaker")
 app.add_typer(audit_app, name="audit")
 app.add_typer(check_app, name="check")
 app.add_typer(fleet_app, name="fleet")
+app.add_typer(sweep_app, name="sweep")
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ from uuid import UUID
 import typer
 from rich.table import Table
 
-from apps.cli import render
+from apps.cli import demo_sweep, render
 from apps.cli._common import console, load_policy_or_exit
 from integrations import registry
 from integrations.sim.fleet import SimFleet
@@ -258,7 +258,7 @@ def demo(
     backends, notifier = simulated_backends(scenario)
     loaded = load_policy_or_exit(None)
     store = Store(f"sqlite:///{database}")
-    rt = configure(Runtime(store, backends, Path(loaded.path)))
+    rt = configure(Runtime(store, backends, Path(loaded.path), settings.artifact_root))
 
     console.rule("[bold]GPU Medic demo[/bold]: 8 simulated nodes, 2 training jobs")
     for line in scenario.story:
@@ -277,6 +277,7 @@ def demo(
         outcomes.add_row(o.incident, o.node, ", ".join(o.diagnostics) or "-", o.summary)
     console.print(outcomes)
     console.print(_stage_times(store, [i.id for i in dispatch.incidents]))
+    run_flows(demo_sweep.run(rt, scenario.fleet))
     console.rule("Messages for the owners")
     for thread in notifier.threads.values():
         console.print(render.message_panel(thread.message, thread.replies))

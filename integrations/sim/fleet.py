@@ -102,6 +102,7 @@ class SimFleet:
     # node -> its hardware when scripted (healthy otherwise), and what its next replacement brings.
     hardware: dict[str, SimHardware] = field(default_factory=dict)
     replacements: dict[str, SimHardware] = field(default_factory=dict)
+    reservations: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a sweep's: name -> nodes
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     @classmethod

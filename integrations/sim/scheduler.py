@@ -1,9 +1,13 @@
-"""A `Scheduler` over the simulated fleet, with Slurm's semantics for drains and requeues."""
+"""A `Scheduler` over the simulated fleet, with Slurm's semantics for drains, requeues and a sweep's
+reservations (a busy node is refused; no requeued job lands on a reserved node)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from integrations.sim.fleet import SimFleet, SimJob
 from medic.protocols import JobInfo, JobState, NodeInfo, NodeState
+from medic.sweep import RESERVATION_PREFIX, NodeBusyError
 
 
 class SimScheduler:
@@ -68,7 +72,10 @@ class SimScheduler:
             spare = [
                 n.name
                 for n in self.fleet.nodes.values()
-                if n.state is NodeState.IDLE and n.name not in exclude and n.name not in keep
+                if n.state is NodeState.IDLE
+                and n.name not in exclude
+                and n.name not in keep
+                and n.name not in self._reserved()
             ]
             needed = len(job.nodes) - len(keep)
             if len(spare) < needed:
@@ -82,6 +89,32 @@ class SimScheduler:
             job.restarts += 1
             self._free(left)
             return self._job_info(job)
+
+    def reserve(self, nodes: Sequence[str], minutes: int, reason: str) -> str:
+        with self.fleet.lock:
+            busy = {n for j in self.fleet.jobs.values() if j.state is JobState.RUNNING for n in j.nodes}
+            for wanted in nodes:
+                node = self.fleet.node(wanted)
+                if wanted in busy or node.state is not NodeState.IDLE or wanted in self._reserved():
+                    raise NodeBusyError(wanted, f"it is {node.state.value} or already reserved")
+            # Unique while held, as a node is in one reservation at most.
+            name = f"{RESERVATION_PREFIX}sim-{'-'.join(nodes)}"
+            for node_name in nodes:
+                self.fleet.record_call(node_name, "reserve")
+            self.fleet.reservations[name] = tuple(nodes)
+            return name
+
+    def release(self, name: str) -> None:
+        with self.fleet.lock:
+            for node_name in self.fleet.reservations.pop(name, ()):
+                self.fleet.record_call(node_name, "release")
+
+    def reserved_nodes(self) -> frozenset[str]:
+        with self.fleet.lock:
+            return self._reserved()
+
+    def _reserved(self) -> frozenset[str]:
+        return frozenset(n for nodes in self.fleet.reservations.values() for n in nodes)
 
     def _free(self, names: list[str]) -> None:
         """Nodes a requeued job left go idle once no running job holds them, as Slurm frees them; a

@@ -1,4 +1,4 @@
-"""A `Scheduler` over a real Slurm cluster.
+"""A `Scheduler` over a real Slurm cluster, with `Reservations` for sweeps (reservations.py).
 
 Rules that keep GPU Medic from fighting the people who run the cluster:
 - `drain` leaves a node that is already out of service alone: one drained by GPU Medic stays as it is
@@ -30,6 +30,7 @@ from integrations.slurm.errors import (
     UnknownSlurmNodeError,
 )
 from integrations.slurm.records import SlurmJob
+from integrations.slurm.reservations import SlurmReservations
 from integrations.slurm.topology import TopologyFormatError
 from integrations.slurm.topology import read as read_topology
 from medic.protocols import JobInfo, JobState, NodeInfo
@@ -45,7 +46,7 @@ RELEASE_TRIES = 3
 TOPOLOGY_TTL_S = 600.0  # switches change with recabling, not by the minute
 
 
-class SlurmScheduler:
+class SlurmScheduler(SlurmReservations):
     def __init__(self, cli: SlurmCli | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.cli = cli or SlurmCli()
         # Jobs this scheduler requeued held and has not seen released: a later requeue of one finds

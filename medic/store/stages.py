@@ -8,6 +8,9 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import func
+from sqlmodel import col, select
+
 from medic.policy.model import Decision
 from medic.store.engine import StoreBase, utcnow
 from medic.store.tables import DecisionRecord, DiagnosticRecord, StepRecord
@@ -42,6 +45,33 @@ class StagesMixin(StoreBase):
             s.add(row)
             s.commit()
         return row
+
+    def steps_of(self, incident_id: str) -> list[StepRecord]:
+        """The steps recorded under an id, in order: an incident's, or a sweep's (which is no incident)."""
+        query = select(StepRecord).where(StepRecord.incident_id == incident_id).order_by(col(StepRecord.id))
+        with self.session() as s:
+            return list(s.exec(query))
+
+    def diagnostics_of(self, incident_id: str) -> list[DiagnosticRecord]:
+        query = (
+            select(DiagnosticRecord)
+            .where(DiagnosticRecord.incident_id == incident_id)
+            .order_by(col(DiagnosticRecord.id))
+        )
+        with self.session() as s:
+            return list(s.exec(query))
+
+    def last_deep_checks(self, min_level: int = 2) -> dict[str, datetime]:
+        """When each node last finished a DCGM run at `min_level` or above that gave a verdict (pass
+        or fail), whoever ran it: a sweep, a ladder, a verification. An `error` measured nothing."""
+        query = (
+            select(DiagnosticRecord.node, func.max(DiagnosticRecord.finished_at))
+            .where(col(DiagnosticRecord.level) >= min_level)
+            .where(col(DiagnosticRecord.result).in_(["pass", "fail"]))
+            .group_by(col(DiagnosticRecord.node))
+        )
+        with self.session() as s:
+            return dict(s.exec(query).all())
 
     def add_decision(
         self, decision: Decision, policy_path: str, facts: dict[str, Any] | None = None
