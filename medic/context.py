@@ -47,10 +47,6 @@ class _Series:
         self.events: list[FaultEvent] = []
         self.times: list[datetime] = []
 
-    def sort(self) -> None:
-        self.events.sort(key=_TIME)
-        self.times = list(map(_TIME, self.events))
-
     def between(self, start: datetime, end: datetime) -> list[FaultEvent]:
         return self.events[bisect_left(self.times, start) : bisect_right(self.times, end)]
 
@@ -67,11 +63,15 @@ class Context:
         fleet_size: int | None = None,
     ) -> None:
         self._series: dict[tuple[Hashable, ...], _Series] = {}
-        for event in events:
+        # One sort of all the events, not one per series: most series hold an event or two, and the
+        # events mostly come in time order already (a stable sort keeps equal times in their order).
+        for event in sorted(events, key=_TIME):
             for key in index_keys(event):
-                self._series.setdefault(key, _Series()).events.append(event)
-        for series in self._series.values():
-            series.sort()
+                series = self._series.get(key)
+                if series is None:  # not `setdefault`: it would build a series for every event
+                    series = self._series[key] = _Series()
+                series.events.append(event)
+                series.times.append(event.time)
         self.switch_sizes: Mapping[str, int] = switch_sizes or {}
         self.fleet_size = fleet_size
 

@@ -16,7 +16,7 @@ policy (`_test`), which `decide` runs. tests/test_engine_compiled.py holds them 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -170,14 +170,15 @@ def _has_signature(sig: Signature, event: FaultEvent) -> bool:
     return event.kind in (sig.kinds or ())
 
 
-def _one_count(cond: CountCondition, f: Facts) -> str | None:
+def _counted(cond: CountCondition, f: Facts, kinds: tuple[EventKind, ...]) -> int:
+    """How many distinct things the condition counts in its window (0 without an anchor, and below
+    `at_least` where too few events of its `kinds` lie in the window to reach it)."""
     anchors = [e for e in f.events if _has_signature(cond, e)]
     if not anchors:
-        return None
+        return 0
     start, end = window(f, timedelta(minutes=cond.within_minutes))
-    kinds = cond.event_kinds()
     if len(anchors) + f.context.count(kinds, start, end) < cond.at_least:
-        return None  # not enough events of these kinds at all: skip the careful count
+        return 0  # not enough events of these kinds at all: skip the careful count
     pool = {e.id: e for e in anchors if start <= e.time <= end}
     for scope, key in _lookups(cond, f, anchors):
         pool.update(
@@ -207,6 +208,11 @@ def _one_count(cond: CountCondition, f: Facts) -> str | None:
         n = len({e.job for e in found if e.job})
     else:
         n = len({(e.node, e.gpu) for e in found if e.gpu is not None})
+    return n
+
+
+def _one_count(cond: CountCondition, f: Facts) -> str | None:
+    n = _counted(cond, f, cond.event_kinds())
     if n < cond.at_least:
         return None
     where = {"gpu": "on this GPU", "node": "on this node", "job": "in this job", "cluster": "in the cluster"}
@@ -369,6 +375,10 @@ def _test(name: str, when: When, check: Check) -> FactTest:
         case "min_events":
             events = when.min_events or 0
             return lambda f: f.event_count >= events
+        case "count":
+            # Each condition's kinds worked out once, and no reason worded for a count that holds.
+            counts = tuple((cond, cond.event_kinds()) for cond in when.count or ())
+            return lambda f: all(_counted(cond, f, kinds) >= cond.at_least for cond, kinds in counts)
         case "gpu_incidents":
             assert when.gpu_incidents is not None
             least = when.gpu_incidents.at_least
@@ -513,12 +523,11 @@ def diagnose_level(rule: Rule, facts: Facts) -> int | None:
     return max(start, highest + 1)
 
 
-def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
-    """The decision on one incident: the winning rule's, or the policy's default when none matches.
+Ruling = tuple[str, Action, int | None]  # a decision's rule, action and diagnose level
 
-    Every matching rule is recorded (`matched`, winner first); only the winner's reasons are built.
-    """
-    matched: list[tuple[CompiledRule, int | None]] = []
+
+def _matches(policy: Policy, facts: Facts) -> Iterator[tuple[CompiledRule, int | None]]:
+    """The rules that match, the winner first, each with the diagnose level it asks for."""
     for compiled_rule in compiled(policy).candidates(facts):
         test = compiled_rule.test
         if test is not None and not test(facts):
@@ -529,8 +538,32 @@ def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
             level = diagnose_level(rule, facts)
             if level is None:
                 continue
-        matched.append((compiled_rule, level))
+        yield compiled_rule, level
 
+
+def _exhausted(policy: Policy, level: int | None) -> bool:
+    """Whether a diagnose rule asks for a level beyond the policy's highest: humans decide."""
+    return level is not None and level > min(policy.defaults.max_diagnose_level, MAX_LEVEL)
+
+
+def ruling(policy: Policy, facts: Facts) -> Ruling:
+    """The rule, action and diagnose level of `decide`'s decision, without the rest: a replay compares
+    only these, and stops at the winner where `decide` tests every rule and words its reasons."""
+    winner = next(_matches(policy, facts), None)
+    if winner is None:
+        return "default", policy.defaults.action, None
+    compiled_rule, level = winner
+    if _exhausted(policy, level):
+        return compiled_rule.rule.id, Action.ESCALATE, None
+    return compiled_rule.rule.id, compiled_rule.rule.then.action, level
+
+
+def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
+    """The decision on one incident: the winning rule's, or the policy's default when none matches.
+
+    Every matching rule is recorded (`matched`, winner first); only the winner's reasons are built.
+    """
+    matched = list(_matches(policy, facts))
     if not matched:
         return Decision(
             incident=facts.incident,
@@ -545,7 +578,7 @@ def decide(policy: Policy, facts: Facts, policy_sha256: str = "") -> Decision:
     reasons = evaluate(winner, facts)[0] or []
     rule, then = winner.rule, winner.rule.then
     action, reason = then.action, f"{rule.description}: {'; '.join(reasons)}"
-    if level is not None and level > min(policy.defaults.max_diagnose_level, MAX_LEVEL):
+    if _exhausted(policy, level):
         action, level = Action.ESCALATE, None
         reason += f"; diagnostics exhausted at level {facts.highest_level_run}, humans decide"
     return Decision(

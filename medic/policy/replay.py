@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from operator import itemgetter
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, field_serializer, field_validator
 
@@ -31,9 +32,8 @@ from medic.dcgm_errors import Severity
 from medic.events import EventKind, FaultEvent
 from medic.facts import DiagnosticFact, Facts, facts_of, taken_out_by_us
 from medic.incidents import Incident, Scope
-from medic.policy import LoadedPolicy, decide
-from medic.policy.engine import window
-from medic.policy.model import Action, Decision
+from medic.policy import LoadedPolicy
+from medic.policy.engine import Ruling, ruling, window
 from medic.policy.replay_report import Outcome, Redecided, Redecisions, ReplayReport, judge
 
 # Facts fields kept as they are; `events` is kept as the events' ids and `context` (the cluster's
@@ -127,9 +127,9 @@ def facts_from(record: FactsRecord, events: Mapping[str, FaultEvent], context: C
     return Facts(*_FACTS_FIELDS(values))
 
 
-@dataclass(frozen=True, slots=True)
-class RecordedDecision:
-    """One row of the decisions table, with what replaying it needs from its incident."""
+class RecordedDecision(NamedTuple):
+    """One row of the decisions table, with what replaying it needs from its incident. A tuple: a
+    replay reads hundreds of thousands, and a frozen dataclass takes twice as long to build."""
 
     id: int  # the row's: of two decisions made at one moment, the one recorded first came first
     incident: str
@@ -164,7 +164,7 @@ def replay(history: History, loaded: LoadedPolicy, since: datetime | None = None
 def redecide(history: History, loaded: LoadedPolicy) -> Redecisions:
     """Every recorded decision made again with `loaded`, before its guardrails (`judge` replays them)."""
     decider = _Decider(history, loaded)
-    outcomes: dict[tuple[str, Action, int | None], Outcome] = {}
+    outcomes: dict[Ruling, Outcome] = {}
     pairs = _recorded_outcomes(history.decisions)
     last_of = {record.incident: i for i, (record, _) in enumerate(pairs)}
     decisions: list[Redecided] = []
@@ -172,9 +172,8 @@ def redecide(history: History, loaded: LoadedPolicy) -> Redecisions:
         decided = decider.decide(record)
         if decided is None:
             continue
-        decision, fleet_size = decided
+        key, fleet_size = decided
         # Decisions come in few outcomes (a rule, its action and level): one object each.
-        key = (decision.rule, decision.action, decision.diagnose_level)
         after = outcomes.get(key)
         if after is None:
             after = outcomes[key] = Outcome(rule=key[0], action=key[1], diagnose_level=key[2])
@@ -280,7 +279,7 @@ class _Ruled:
     newest_fault: datetime | None  # the incident's newest event other than a diagnostic's result
     fleet_size: int | None
     switch_size: tuple[str, int] | None
-    decision: Decision
+    ruling: Ruling
 
     def holds_for(self, key: str, now: datetime) -> bool:
         """Whether a later decision of the incident, on facts `key` at `now`, decides the same.
@@ -321,7 +320,7 @@ class _Decider:
         self.read: tuple[datetime, datetime] | None = None  # the stretch windowed conditions may read
         self.sizes_recorded = self.sizes_missing = False
 
-    def decide(self, record: RecordedDecision) -> tuple[Decision, int | None] | None:
+    def decide(self, record: RecordedDecision) -> tuple[Ruling, int | None] | None:
         """The decision made again, and the fleet size its guardrails see; None when its events are
         no longer in the store."""
         if record.facts is None:
@@ -332,7 +331,7 @@ class _Decider:
             self.sizes_missing |= facts.switch is not None
             self._reads(facts)
             # No fleet size was recorded: only the count limits apply, as in `medic triage`.
-            return decide(self.loaded.policy, facts, self.loaded.sha256), None
+            return ruling(self.loaded.policy, facts), None
         key, now = _cut_now(record.facts)
         prior = self.ruled.get(record.incident)
         if prior is None or not prior.holds_for(key, now):
@@ -342,7 +341,7 @@ class _Decider:
             self.ruled[record.incident] = prior
         if prior.switch_size is not None:
             self.switch_sizes[prior.switch_size[0]] = prior.switch_size[1]
-        return prior.decision, prior.fleet_size
+        return prior.ruling, prior.fleet_size
 
     def _rule(self, text: str, key: str, now: datetime) -> _Ruled | None:
         """Decide on kept facts; None when their events are no longer in the store."""
@@ -351,14 +350,13 @@ class _Decider:
         if not all(i in events for i in kept.event_ids):
             return None
         if kept.switch and kept.switch_size:
-            self.switch_sizes[kept.switch] = (
-                kept.switch_size
-            )  # the context's: the engine reads the size there
+            # The context's: the engine reads the size there.
+            self.switch_sizes[kept.switch] = kept.switch_size
             self.sizes_recorded = True
         else:
             self.sizes_missing |= kept.switch is not None
-        faults = [events[i].time for i in kept.event_ids if events[i].kind is not EventKind.DIAGNOSTIC]
         facts = facts_from(kept, events, self.context)
+        faults = [e.time for e in facts.events if e.kind is not EventKind.DIAGNOSTIC]
         self._reads(facts)
         return _Ruled(
             key=key,
@@ -366,7 +364,7 @@ class _Decider:
             newest_fault=max(faults, default=None),
             fleet_size=kept.fleet_size,
             switch_size=(kept.switch, kept.switch_size) if kept.switch and kept.switch_size else None,
-            decision=decide(self.loaded.policy, facts, self.loaded.sha256),
+            ruling=ruling(self.loaded.policy, facts),
         )
 
     def _reads(self, facts: Facts) -> None:
