@@ -22,6 +22,7 @@ from bench import (
     prolog,
     replay,
     report,
+    resume,
     sentry,
     simulate,
     triage,
@@ -42,6 +43,7 @@ BENCHMARKS: list[tuple[str, Callable[[], dict[str, Any]], Callable[[dict[str, An
     ("simulate", simulate.run, simulate.section),
     ("policy replay", replay.run, replay.section),
     ("ageing", ageing.run, ageing.section),
+    ("training resume", resume.run, resume.section),
 ]
 
 
