@@ -1,6 +1,7 @@
 """The deep health check suite as a flow (`medic check deep`, docs/deep-checks.md).
 
-Every node's own checks (its GPUs and NVLink links read from NVML, DCGM at the policy's level) run
+Every node's own checks (its GPUs and NVLink links read from NVML, DCGM at the policy's level, an
+ib_write_bw loopback on each of its RDMA devices) run
 at once, one task per node; then one all-reduce across all the nodes, unless a node already failed.
 With an incident, each check's output is kept on it as evidence (tasks/deep_check.py); the run's
 artifact lists every verdict in Prefect's history either way.
@@ -68,7 +69,7 @@ async def deep_check(
     deep = current().policy().policy.deep_checks
     wanted = [c for c in CHECK_ORDER if checks is None or c in checks]
     level = deep.dcgm_level
-    per_node = check_node.with_options(timeout_seconds=node_budget_s(wanted, level))
+    per_node = check_node.with_options(timeout_seconds=node_budget_s(deep, wanted, level))
     futures = [per_node.submit(incident_id, node, wanted, level) for node in nodes]
     await asyncio.to_thread(wait, futures)
     results = [r for node, f in zip(nodes, futures, strict=True) for r in _node_results(node, wanted, f)]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from integrations.sim.checkpoints import SimCheckpoints
-from integrations.sim.deep_checks import SimAllReduce, SimInstanceProbe
+from integrations.sim.deep_checks import SimAllReduce, SimInstanceProbe, SimNicLoopback
 from integrations.sim.diagnostics import SimDiagnostics
 from integrations.sim.fleet import SimFleet
 from integrations.sim.host_evidence import SimHostEvidence
@@ -47,6 +47,7 @@ from medic.protocols import (
     Diagnostics,
     HostEvidence,
     InstanceProbe,
+    NicLoopbackTest,
     NodeProvider,
     Notifier,
     Reservations,
@@ -100,6 +101,7 @@ class Backends:
     instance: InstanceProbe
     all_reduce: AllReduceTest
     host_evidence: HostEvidence
+    nic_loopback: NicLoopbackTest
 
     @property
     def reservations(self) -> Reservations | None:
@@ -119,6 +121,7 @@ def simulated(fleet: SimFleet | None = None) -> tuple[Backends, SimFleet]:
         instance=SimInstanceProbe(fleet),
         all_reduce=SimAllReduce(fleet),
         host_evidence=SimHostEvidence(fleet),
+        nic_loopback=SimNicLoopback(fleet),
     )
     return backends, fleet
 
@@ -169,6 +172,18 @@ def _deep_checks(choice: Choice, env: Env, sim: Backends) -> tuple[InstanceProbe
 
     try:
         return NvmlProbe.from_env(env), NcclTestsAllReduce.from_env(env)
+    except ValueError as error:
+        raise BackendError(f"{choice.variable}={choice.value}: {error}") from None
+
+
+def _nic_loopback(choice: Choice, env: Env, sim: Backends) -> NicLoopbackTest:
+    """ib_write_bw over DCGM's runner beside DCGM, simulated beside the simulation."""
+    if choice.value == "sim":
+        return sim.nic_loopback
+    from integrations.nic_loopback import IbWriteBwLoopback
+
+    try:
+        return IbWriteBwLoopback.from_env(env)
     except ValueError as error:
         raise BackendError(f"{choice.variable}={choice.value}: {error}") from None
 
@@ -279,4 +294,5 @@ def from_settings(settings: Settings, env: Env | None = None) -> Backends:
         instance=instance,
         all_reduce=all_reduce,
         host_evidence=_host_evidence(chosen["diagnostics"], env, sim),
+        nic_loopback=_nic_loopback(chosen["diagnostics"], env, sim),
     )

@@ -2,7 +2,8 @@
 
 Each check gives a verdict with its reason: `pass`, `fail` (the node is not what its shape says),
 `error` (nothing could be measured, so nothing is known: never a pass) or `skipped` (not run, because
-an earlier check already kept the node out). docs/deep-checks.md.
+an earlier check already kept the node out, or the tool it needs is not on the node: never a pass
+either). docs/deep-checks.md.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from medic.policy.deep_checks import CHECK_ORDER, CheckName, DeepChecks, Shape
 from medic.policy.model import Action
-from medic.protocols import AllReduceRun, DiagnosticResult, InstanceReading, JobInfo, JobState, NodeInfo
+from medic.protocols import (
+    AllReduceRun,
+    DiagnosticResult,
+    InstanceReading,
+    JobInfo,
+    JobState,
+    NicLoopbackRun,
+    NodeInfo,
+)
 
 
 class Verdict(StrEnum):
@@ -162,6 +171,51 @@ def judge_dcgm(result: DiagnosticResult) -> CheckResult:
         reason=result.detail or f"DCGM level {result.level} {result.result}",
         measured={"level": result.level, "result": result.result, "error_ids": list(result.error_ids)},
     )
+
+
+def judge_nic_loopback(
+    node: str, runs: Sequence[NicLoopbackRun], shape_name: str, shape: Shape
+) -> CheckResult:
+    """ib_write_bw in loopback on every RDMA device of the shape, each at no less than its floor (when
+    the shape has one: without, the bandwidth is reported, not judged)."""
+    floor = shape.nic_bw_floor_gbps
+    base = {
+        "check": CheckName.NIC_LOOPBACK,
+        "nodes": [node],
+        "shape": shape_name,
+        "command": [word for run in runs[:1] for word in run.command],  # the others differ only in -d
+        "output": "\n".join(f"== {run.device} ==\n{run.output}" for run in runs),
+    }
+    if not shape.rdma_devices:
+        return CheckResult(
+            **base, verdict=Verdict.PASS, reason=f"shape {shape_name} has no RDMA device to check"
+        )
+    missing = sorted({run.missing_tool for run in runs if run.missing_tool})
+    if missing:
+        return CheckResult(
+            **base, verdict=Verdict.SKIPPED, reason=f"not run: {', '.join(missing)} not installed on {node}"
+        )
+    measured = {
+        "floor_gbps": floor,
+        "bw_avg_gbps": {run.device: run.bw_avg_gbps for run in runs},
+        "bw_peak_gbps": {run.device: run.bw_peak_gbps for run in runs},
+        "size_bytes": {run.device: run.size_bytes for run in runs},
+    }
+    errors = [f"{run.device}: {run.error or 'no bandwidth read'}" for run in runs if run.bw_avg_gbps is None]
+    errors += [f"{d}: not measured" for d in shape.rdma_devices if d not in {run.device for run in runs}]
+    if errors:
+        return CheckResult(**base, verdict=Verdict.ERROR, reason="; ".join(errors), measured=measured)
+    below = [
+        f"{run.device} {run.bw_avg_gbps:g} Gb/s"
+        for run in runs
+        if floor is not None and run.bw_avg_gbps is not None and run.bw_avg_gbps < floor
+    ]
+    if below and floor is not None:
+        reason = f"{', '.join(below)}, under the floor of {floor:g} Gb/s of shape {shape_name}"
+        return CheckResult(**base, verdict=Verdict.FAIL, reason=reason, measured=measured)
+    judged = f"floor {floor:g} Gb/s" if floor is not None else f"no floor in shape {shape_name}"
+    seen = ", ".join(f"{run.device} {run.bw_avg_gbps:g} Gb/s" for run in runs)
+    return CheckResult(**base, verdict=Verdict.PASS, reason=f"{seen}; {judged}", measured=measured)
 
 
 def _short(host: str) -> str:

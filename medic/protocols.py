@@ -248,6 +248,33 @@ class AllReduceTest(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class NicLoopbackRun:
+    """What ib_write_bw measured in loopback on one RDMA device of a node, read from its own output.
+    `missing_tool` set: the tool is not on the node, so nothing was measured (never a pass); `error`
+    set: it did not start, hung, or printed no result we can read."""
+
+    node: str
+    device: str
+    command: tuple[str, ...] = ()
+    missing_tool: str | None = None
+    error: str | None = None
+    size_bytes: int | None = None
+    bw_avg_gbps: float | None = None  # BW average at the largest size, in Gb/s whatever the unit printed
+    bw_peak_gbps: float | None = None
+    msg_rate_mpps: float | None = None
+    output: str = ""  # everything it printed: the check's evidence
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+@runtime_checkable
+class NicLoopbackTest(Protocol):
+    def run(
+        self, node: str, device: str, size_bytes: int, duration_s: int, timeout_s: float
+    ) -> NicLoopbackRun: ...
+
+
+@dataclass(frozen=True, slots=True)
 class Message:
     """One notification: a headline, the body in markdown-ish text, and where it should go."""
 

@@ -3,7 +3,7 @@
 check (its verdict, reason, measurements, command and output), the DCGM run also in `diagnostics`.
 
 A check that cannot run says so as an `error` result: a backend that raises, a node with no shape, a
-node whose GPUs must not be loaded now. Once a check on a node did not pass, the later ones on it
+node whose GPUs must not be loaded now; one whose tool is not on the node is `skipped`, never a pass. Once a check on a node did not pass, the later ones on it
 (and the all-reduce over it) are skipped: the node stays out whatever they would show.
 """
 
@@ -20,6 +20,7 @@ from medic.deep_check import (
     judge_all_reduce,
     judge_dcgm,
     judge_gpu_count,
+    judge_nic_loopback,
     judge_nvlink,
     no_shape,
     not_run,
@@ -27,7 +28,7 @@ from medic.deep_check import (
     unfit_for_stress,
 )
 from medic.policy.deep_checks import CHECK_ORDER, CheckName, DeepChecks
-from medic.protocols import AllReduceSpec, InstanceReading
+from medic.protocols import AllReduceSpec, InstanceReading, NicLoopbackRun
 from medic.statuses import StepStatus
 from medic.store import utcnow
 from tasks.diagnose import LEVEL_BUDGET_S
@@ -97,10 +98,33 @@ def dcgm_check(rt: Runtime, incident_id: str | None, node: str, level: int, note
     return judge_dcgm(result)
 
 
+def _loopback(rt: Runtime, deep: DeepChecks, node: str, device: str) -> NicLoopbackRun:
+    settings = deep.nic_loopback
+    try:
+        return rt.backends.nic_loopback.run(
+            node, device, settings.size_bytes, settings.duration_seconds, settings.timeout_seconds
+        )
+    except Exception as error:  # any backend failure is no measurement, and so never a pass
+        return NicLoopbackRun(node, device, error=f"{type(error).__name__}: {error}")
+
+
+def nic_loopback_check(rt: Runtime, node: str) -> CheckResult:
+    """ib_write_bw in loopback on each RDMA device of the node's shape, one after the other: two at
+    once would share the PCIe and memory they measure."""
+    deep = rt.policy().policy.deep_checks
+    shaped = deep.shape_of(node)
+    if shaped is None:
+        return no_shape(CheckName.NIC_LOOPBACK, node)
+    if shaped[1].rdma_devices and (why := _guard(rt, [node])):
+        return not_run(CheckName.NIC_LOOPBACK, [node], f"NIC loopback not run: {why}")
+    runs = [_loopback(rt, deep, node, device) for device in shaped[1].rdma_devices]
+    return judge_nic_loopback(node, runs, *shaped)
+
+
 def node_checks(
     rt: Runtime, incident_id: str | None, node: str, checks: Collection[CheckName], level: int, note: str
 ) -> list[CheckResult]:
-    """The checks of one node (GPUs, NVLink, DCGM at `level`), in the suite's order, each recorded.
+    """The checks of one node (GPUs, NVLink, DCGM at `level`, its NICs), in the suite's order, each recorded.
     NVML is read once for both the GPU count and the links."""
     shaped = rt.policy().policy.deep_checks.shape_of(node)
     reading: InstanceReading | None = None
@@ -114,6 +138,8 @@ def node_checks(
             result = skipped(check, [node], f"not run: {failed.check.value} {failed.verdict.value} on {node}")
         elif check is CheckName.DCGM:
             result = dcgm_check(rt, incident_id, node, level, note)
+        elif check is CheckName.NIC_LOOPBACK:
+            result = nic_loopback_check(rt, node)
         elif shaped is None:
             result = no_shape(check, node)
         else:
@@ -182,10 +208,13 @@ def run_checks(
     return results
 
 
-def node_budget_s(checks: Collection[CheckName], level: int) -> float:
-    """The time one node's checks may take: the NVML read, and DCGM's budget for its level."""
+def node_budget_s(deep: DeepChecks, checks: Collection[CheckName], level: int) -> float:
+    """The time one node's checks may take: the NVML read, DCGM's budget for its level, and a
+    loopback run per RDMA device of the shape with the most."""
     dcgm = LEVEL_BUDGET_S[level] if CheckName.DCGM in checks else 0.0
-    return PROBE_TIMEOUT_S + dcgm + SLACK_S
+    devices = max((len(shape.rdma_devices) for shape in deep.shapes.values()), default=0)
+    nic = deep.nic_loopback.timeout_seconds * devices if CheckName.NIC_LOOPBACK in checks else 0.0
+    return PROBE_TIMEOUT_S + dcgm + nic + SLACK_S
 
 
 def all_reduce_budget_s(deep: DeepChecks) -> float:

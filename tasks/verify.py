@@ -30,7 +30,7 @@ def verify_budget_s(deep: DeepChecks, verify_level: int, action: Action) -> floa
     """How long verification after `action` may take: the node coming back, then its checks."""
     checks, level = verify_checks(deep, verify_level, action)
     reduce = all_reduce_budget_s(deep) if CheckName.ALL_REDUCE in checks else 0.0
-    return READY_TIMEOUT_S + node_budget_s(checks, level) + reduce
+    return READY_TIMEOUT_S + node_budget_s(deep, checks, level) + reduce
 
 
 def _detail(results: list[CheckResult], level: int, action: Action) -> str:

@@ -34,7 +34,13 @@ approvals: {required_for: []}
 deep_checks:
   dcgm_level: 3
   shapes:
-    h100-8: {gpus: 8, nvlinks_per_gpu: 18, busbw_floor_gbps: 400, multi_node_busbw_floor_gbps: 300}
+    h100-8:
+      gpus: 8
+      nvlinks_per_gpu: 18
+      busbw_floor_gbps: 400
+      multi_node_busbw_floor_gbps: 300
+      rdma_devices: [mlx5_0, mlx5_1]
+      nic_bw_floor_gbps: 350
   nodes:
     "gpu-node-*": h100-8
   require:
@@ -91,16 +97,19 @@ def test_every_check_passes_and_each_output_is_kept_on_the_incident(rt: Runtime,
         ("gpu_count", ["gpu-node-1"], "pass"),
         ("nvlink", ["gpu-node-1"], "pass"),
         ("dcgm", ["gpu-node-1"], "pass"),
+        ("nic_loopback", ["gpu-node-1"], "pass"),
         ("gpu_count", ["gpu-node-2"], "pass"),
         ("nvlink", ["gpu-node-2"], "pass"),
         ("dcgm", ["gpu-node-2"], "pass"),
+        ("nic_loopback", ["gpu-node-2"], "pass"),
         ("all_reduce", ["gpu-node-1", "gpu-node-2"], "pass"),
     ]
+    assert report.results[3].reason == "mlx5_0 390 Gb/s, mlx5_1 390 Gb/s; floor 350 Gb/s"
     reduce = report.results[-1]
     assert (
         reduce.reason == "busbw 360 GB/s at 8 GiB on 16 ranks, floor 300 GB/s"
     )  # across nodes: the network's floor
-    assert calls(fleet, "gpu-node-1") == ["nvml", "diagnose-l3", "all_reduce"]
+    assert calls(fleet, "gpu-node-1") == ["nvml", "diagnose-l3", "nic_loopback", "nic_loopback", "all_reduce"]
 
     detail = rt.store.incident_detail(inc)
     assert detail is not None
@@ -111,6 +120,8 @@ def test_every_check_passes_and_each_output_is_kept_on_the_incident(rt: Runtime,
         "deep check: dcgm gpu-node-2",
         "deep check: gpu_count gpu-node-1",
         "deep check: gpu_count gpu-node-2",
+        "deep check: nic_loopback gpu-node-1",
+        "deep check: nic_loopback gpu-node-2",
         "deep check: nvlink gpu-node-1",
         "deep check: nvlink gpu-node-2",
     ]
@@ -137,7 +148,24 @@ def test_a_link_down_fails_the_node_and_nothing_later_runs_on_it(rt: Runtime, fl
     by_check = {(r.check, r.nodes[0]): r for r in report.results}
     assert by_check[(CheckName.NVLINK, "gpu-node-2")].reason == "GPU 5: 17 of 18 links up (down: 11)"
     assert by_check[(CheckName.DCGM, "gpu-node-2")].verdict is Verdict.SKIPPED
-    assert report.results[-1].reason == "not run: nvlink fail on gpu-node-2; dcgm skipped on gpu-node-2"
+    assert report.results[-1].reason == (
+        "not run: nvlink fail on gpu-node-2; dcgm skipped on gpu-node-2; nic_loopback skipped on gpu-node-2"
+    )
+    assert "all_reduce" not in calls(fleet, "gpu-node-1")
+
+
+def test_a_nic_under_its_floor_fails_the_node_and_the_all_reduce_is_not_run(
+    rt: Runtime, fleet: SimFleet
+) -> None:
+    drained(fleet, "gpu-node-1", "gpu-node-2")
+    fleet.script_hardware("gpu-node-2", nic_gbps=180.0)
+    report = asyncio.run(deep_check(["gpu-node-1", "gpu-node-2"]))
+    assert report.verdict is Verdict.FAIL
+    by_check = {(r.check, r.nodes[0]): r for r in report.results}
+    assert by_check[(CheckName.NIC_LOOPBACK, "gpu-node-2")].reason == (
+        "mlx5_0 180 Gb/s, mlx5_1 180 Gb/s, under the floor of 350 Gb/s of shape h100-8"
+    )
+    assert report.results[-1].reason == "not run: nic_loopback fail on gpu-node-2"
     assert "all_reduce" not in calls(fleet, "gpu-node-1")
 
 
@@ -292,6 +320,24 @@ def test_medic_check_deep_json(cli: Backends, fleet: SimFleet, policy: Path) -> 
                 "measured": {"level": 3, "result": "pass", "error_ids": []},
                 "command": [],
                 "output": "",
+            },
+            {
+                "check": "nic_loopback",
+                "nodes": [node],
+                "verdict": "pass",
+                "reason": "mlx5_0 390 Gb/s, mlx5_1 390 Gb/s; floor 350 Gb/s",
+                "shape": "h100-8",
+                "measured": {
+                    "floor_gbps": 350.0,
+                    "bw_avg_gbps": {"mlx5_0": 390.0, "mlx5_1": 390.0},
+                    "bw_peak_gbps": {"mlx5_0": 390.0, "mlx5_1": 390.0},
+                    "size_bytes": {"mlx5_0": 8388608, "mlx5_1": 8388608},
+                },
+                "command": ["simulated", "ib_write_bw", "-d", "mlx5_0", "-s", "8388608", "localhost"],
+                "output": "\n".join(
+                    f"== {d} ==\nsimulated ib_write_bw loopback on {node} {d}: 390 Gb/s at 8388608 B"
+                    for d in ("mlx5_0", "mlx5_1")
+                ),
             },
         ]
 

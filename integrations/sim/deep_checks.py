@@ -1,5 +1,5 @@
-"""`InstanceProbe` and `AllReduceTest` over the simulated fleet: each node's `SimHardware` as NVML
-and an all-reduce would show it. A node that is not in the fleet gets an error, never a reading."""
+"""`InstanceProbe`, `AllReduceTest` and `NicLoopbackTest` over the simulated fleet: each node's
+`SimHardware` as NVML, an all-reduce and ib_write_bw would show it. A node that is not in the fleet gets an error, never a reading."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from datetime import UTC, datetime
 
 from integrations.sim.fleet import SimFleet, SimHardware, UnknownSimNodeError
-from medic.protocols import AllReduceRun, AllReduceSpec, GpuReading, InstanceReading
+from medic.protocols import AllReduceRun, AllReduceSpec, GpuReading, InstanceReading, NicLoopbackRun
 
 SIM_GPU = "NVIDIA H100 80GB HBM3"
 
@@ -90,6 +90,37 @@ class SimAllReduce:
             out_of_bounds=1 if wrong else 0,
             wrong=(f"{spec.max_bytes} B out-of-place: 96",) if wrong else (),
             output=output,
+            started_at=started,
+            finished_at=datetime.now(UTC),
+        )
+
+
+class SimNicLoopback:
+    def __init__(self, fleet: SimFleet) -> None:
+        self.fleet = fleet
+
+    def run(
+        self, node: str, device: str, size_bytes: int, duration_s: int, timeout_s: float
+    ) -> NicLoopbackRun:
+        started = datetime.now(UTC)
+        command = ("simulated", "ib_write_bw", "-d", device, "-s", str(size_bytes), "localhost")
+        with self.fleet.lock:
+            if not self.fleet.has_node(node):
+                why = str(UnknownSimNodeError(node, list(self.fleet.nodes)))
+                return NicLoopbackRun(
+                    node, device, command, error=why, started_at=started, finished_at=datetime.now(UTC)
+                )
+            self.fleet.record_call(node, "nic_loopback")
+            gbps = self.fleet.hardware_of(node).nic_gbps
+        return NicLoopbackRun(
+            node,
+            device,
+            command,
+            size_bytes=size_bytes,
+            bw_avg_gbps=gbps,
+            bw_peak_gbps=gbps,
+            msg_rate_mpps=round(gbps * 1e9 / 8 / size_bytes / 1e6, 6),
+            output=f"simulated ib_write_bw loopback on {node} {device}: {gbps:g} Gb/s at {size_bytes} B",
             started_at=started,
             finished_at=datetime.now(UTC),
         )

@@ -62,7 +62,7 @@ class SimNode:
 
 @dataclass(frozen=True, slots=True)
 class SimHardware:
-    """What a node's GPUs and links show the deep checks (NVML and an all-reduce)."""
+    """What a node's GPUs and links show the deep checks (NVML, an all-reduce, a NIC loopback)."""
 
     gpus: int
     nvlinks: int = 18  # per GPU: an H100 SXM's
@@ -72,6 +72,7 @@ class SimHardware:
     busbw_gbps: float = 480.0  # all-reduce bus bandwidth across the node's own GPUs
     fabric_busbw_gbps: float = 360.0  # ... across nodes: what the network gives each
     wrong_results: bool = False  # an all-reduce on it computes wrong sums
+    nic_gbps: float = 390.0  # ib_write_bw loopback on each RDMA device: a 400 Gb/s NIC's
 
 
 @dataclass(slots=True)

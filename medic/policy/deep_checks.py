@@ -21,19 +21,22 @@ from pydantic import (
 # bus bandwidth has reached its plateau, so a floor judged there is about the links, not latency.
 DEFAULT_MAX_BYTES = 8 * 1024**3
 Bandwidth = Annotated[float, Field(gt=0, le=100_000)]  # GB/s; above any link built
+NicBandwidth = Annotated[float, Field(gt=0, le=10_000)]  # Gb/s, as perftest reports; above any NIC built
+RdmaDevice = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]  # goes on the node's command line
 
 
 class CheckName(StrEnum):
     GPU_COUNT = "gpu_count"
     NVLINK = "nvlink"
     DCGM = "dcgm"
+    NIC_LOOPBACK = "nic_loopback"
     ALL_REDUCE = "all_reduce"
 
 
 # The order the suite runs and reports them: the cheap reads first, the all-reduce last.
 CHECK_ORDER = tuple(CheckName)
-# The checks that load every GPU: never beside a job.
-STRESS_CHECKS = frozenset({CheckName.DCGM, CheckName.ALL_REDUCE})
+# The checks that load every GPU (or saturate the node's NICs): never beside a job.
+STRESS_CHECKS = frozenset({CheckName.DCGM, CheckName.NIC_LOOPBACK, CheckName.ALL_REDUCE})
 
 
 class _Strict(BaseModel):
@@ -55,6 +58,16 @@ class Shape(_Strict):
         None,
         description="Lowest busbw of an all-reduce across several nodes of this shape (the network's "
         "share); default: busbw_floor_gbps.",
+    )
+    rdma_devices: tuple[RdmaDevice, ...] = Field(
+        (),
+        description="RDMA devices (mlx5_0) the nic_loopback check runs ib_write_bw on, one after the other "
+        "(none: nothing to check).",
+    )
+    nic_bw_floor_gbps: NicBandwidth | None = Field(
+        None,
+        description="Lowest ib_write_bw loopback bandwidth (BW average, Gb/s) of each RDMA device; "
+        "none: measured and reported, not judged.",
     )
 
     def floor(self, nodes: int) -> float:
@@ -78,6 +91,18 @@ class AllReduceSizes(_Strict):
         return self
 
 
+class NicLoopback(_Strict):
+    """How perftest's ib_write_bw runs in loopback on each RDMA device of a node."""
+
+    size_bytes: PositiveInt = Field(
+        8 * 1024**2, le=1024**3, description="Message size (-s): large enough to fill the link."
+    )
+    duration_seconds: int = Field(5, ge=1, le=600, description="How long each device is measured (-D).")
+    timeout_seconds: float = Field(
+        120, gt=0, le=3600, description="Hard limit for one device's run, the server's start included."
+    )
+
+
 class Required(_Strict):
     """The checks a node must pass before it returns to service, per transition."""
 
@@ -95,6 +120,7 @@ class DeepChecks(_Strict):
         description="Node name or shell pattern (gpu-h100-*) -> shape name; the first match in file order.",
     )
     all_reduce: AllReduceSizes = Field(default_factory=AllReduceSizes)
+    nic_loopback: NicLoopback = Field(default_factory=NicLoopback)
     require: Required = Field(default_factory=Required)
 
     # Field validators, so that a mistake is reported at its own key's line.
