@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from integrations.sim.checkpoints import SimCheckpoints
 from integrations.sim.deep_checks import SimAllReduce, SimInstanceProbe, SimNicLoopback
@@ -162,42 +162,52 @@ def _dcgm(env: Env, scheduler: Scheduler | None) -> Diagnostics:
     return DcgmDiagnostics.from_env(env)
 
 
-def _deep_checks(choice: Choice, env: Env, sim: Backends) -> tuple[InstanceProbe, AllReduceTest]:
-    """The NVML probe and the all-reduce, chosen with the diagnostics: real beside DCGM, simulated
-    beside the simulation."""
-    if choice.value == "sim":
-        return sim.instance, sim.all_reduce
-    from integrations.nccl_tests import NcclTestsAllReduce
-    from integrations.nvml_probe import NvmlProbe
+T = TypeVar("T")
 
+
+def _beside_dcgm(choice: Choice, simulated: T, real: Callable[[], T]) -> T:
+    """A check that runs over DCGM's runner: real beside DCGM, simulated beside the simulation;
+    a configuration the real one refuses names the variable that chose it."""
+    if choice.value == "sim":
+        return simulated
     try:
-        return NvmlProbe.from_env(env), NcclTestsAllReduce.from_env(env)
+        return real()
     except ValueError as error:
         raise BackendError(f"{choice.variable}={choice.value}: {error}") from None
+
+
+def _deep_checks(choice: Choice, env: Env, sim: Backends) -> tuple[InstanceProbe, AllReduceTest]:
+    """The NVML probe and the all-reduce."""
+
+    def real() -> tuple[InstanceProbe, AllReduceTest]:
+        from integrations.nccl_tests import NcclTestsAllReduce
+        from integrations.nvml_probe import NvmlProbe
+
+        return NvmlProbe.from_env(env), NcclTestsAllReduce.from_env(env)
+
+    return _beside_dcgm(choice, (sim.instance, sim.all_reduce), real)
 
 
 def _nic_loopback(choice: Choice, env: Env, sim: Backends) -> NicLoopbackTest:
-    """ib_write_bw over DCGM's runner beside DCGM, simulated beside the simulation."""
-    if choice.value == "sim":
-        return sim.nic_loopback
-    from integrations.nic_loopback import IbWriteBwLoopback
+    """ib_write_bw in loopback."""
 
-    try:
+    def real() -> NicLoopbackTest:
+        from integrations.nic_loopback import IbWriteBwLoopback
+
         return IbWriteBwLoopback.from_env(env)
-    except ValueError as error:
-        raise BackendError(f"{choice.variable}={choice.value}: {error}") from None
+
+    return _beside_dcgm(choice, sim.nic_loopback, real)
 
 
 def _host_evidence(choice: Choice, env: Env, sim: Backends) -> HostEvidence:
-    """Read over DCGM's runner beside DCGM, simulated beside the simulation."""
-    if choice.value == "sim":
-        return sim.host_evidence
-    from integrations.host_evidence import NodeHostEvidence
+    """What a reboot or replacement wipes, read off the node."""
 
-    try:
+    def real() -> HostEvidence:
+        from integrations.host_evidence import NodeHostEvidence
+
         return NodeHostEvidence.from_env(env)
-    except ValueError as error:
-        raise BackendError(f"{choice.variable}={choice.value}: {error}") from None
+
+    return _beside_dcgm(choice, sim.host_evidence, real)
 
 
 REAL: dict[str, dict[str, Callable[[Env, Scheduler | None], Any]]] = {
