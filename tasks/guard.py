@@ -22,7 +22,9 @@ held, so a holder that dies (a replica killed mid-action) frees the slot within 
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -34,7 +36,7 @@ import httpx
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 from prefect.runtime import flow_run
-from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+from prefect.settings import PREFECT_API_URL
 
 from medic.errors import MedicError, PermanentError, TransientError
 from medic.policy import Decision, guardrails
@@ -54,6 +56,7 @@ WAIT_SECONDS = 600.0
 # containment step would sit out half a minute after the slot freed. One slot and a handful of
 # waiting runs: asking every 2 s at most is cheap.
 MAX_PAUSE_S = 2.0
+INCREMENT_PATH = "/v2/concurrency_limits/increment-with-lease"
 BUSY = (423, 503)  # 423: another run holds the slot; 503: the server's database was busy
 _ensured: set[str] = set()
 # True while this context is inside a `guarded` block (holding the slot when run in a flow).
@@ -61,20 +64,27 @@ _inside: ContextVar[bool] = ContextVar("medic_inside_guarded", default=False)
 
 
 async def ensure_limits() -> None:
-    """Create the limit once per process and API (upsert: safe to race with other processes)."""
+    """Create the limit once per process and API (upsert: safe to race with other processes).
+
+    Known by the configured URL (none: the process's embedded server), so that a containment or
+    a flow run that finds it made does not build a client to learn so."""
+    key = str(PREFECT_API_URL.value())
+    if key in _ensured:
+        return
     async with get_client() as client:
-        key = str(client.api_url)
-        if key in _ensured:
-            return
         await client.upsert_global_concurrency_limit_by_name(NODE_ACTIONS_LIMIT, 1)
-        _ensured.add(key)
+    _ensured.add(key)
 
 
 @contextmanager
-def guarded(rt: Runtime, node: str, decision: Decision) -> Iterator[tuple[str, str] | None]:
+def guarded(
+    rt: Runtime, node: str, decision: Decision, holder: UUID | None = None
+) -> Iterator[tuple[str, str] | None]:
     """Yield the guardrail the action would now break (None: go ahead) while holding the slot.
 
-    Re-entrant: inside another `guarded` block the slot is already held, so only the check runs."""
+    The slot is held as this flow run, or as `holder` outside one (a containment, which comes
+    before its flow run). Re-entrant: inside another `guarded` block the slot is already held,
+    so only the check runs."""
 
     def recheck() -> tuple[str, str] | None:
         policy = rt.policy().policy
@@ -88,10 +98,12 @@ def guarded(rt: Runtime, node: str, decision: Decision) -> Iterator[tuple[str, s
         return
     token = _inside.set(True)
     try:
-        if flow_run.id is None:  # called directly (tests, benchmarks): one process, nothing to race
+        if flow_run.id is not None:
+            holder = UUID(flow_run.id)
+        if holder is None:  # called directly (tests, benchmarks): one process, nothing to race
             yield recheck()
             return
-        with node_actions_slot(UUID(flow_run.id)):
+        with node_actions_slot(holder):
             yield recheck()
     finally:
         _inside.reset(token)
@@ -117,7 +129,7 @@ class SlotLimitMissing(SlotUnavailable, PermanentError):
 @contextmanager
 def node_actions_slot(holder: UUID, wait_seconds: float = WAIT_SECONDS) -> Iterator[None]:
     """Hold the one `medic-node-actions` slot, as flow run `holder`."""
-    with get_client(sync_client=True) as client:
+    with _client() as client:
         lease = _acquire(client, holder, time.monotonic() + wait_seconds)
         released = threading.Event()
         # In the caller's context: Prefect's settings (its API URL among them) may be set in-process,
@@ -138,29 +150,39 @@ def node_actions_slot(holder: UUID, wait_seconds: float = WAIT_SECONDS) -> Itera
 
 
 def _renew(lease: UUID, released: threading.Event) -> None:
-    """Keep the lease while the slot is held; its own client, as a client is not shared across threads."""
-    with get_client(sync_client=True) as client:
-        while not released.wait(LEASE_SECONDS / 3):
+    """Keep the lease while the slot is held; its own client, as a client is not shared across
+    threads, made only once a renewal is due (most holds end well before: no cost to them)."""
+    if released.wait(LEASE_SECONDS / 3):
+        return
+    with _client() as client:
+        while True:
             try:
                 client.renew_concurrency_lease(lease, LEASE_SECONDS)
             except httpx.HTTPError:  # the API is briefly away: the next renewal may still be in time
                 log.warning("renewing the %s lease failed", NODE_ACTIONS_LIMIT, exc_info=True)
+            if released.wait(LEASE_SECONDS / 3):
+                return
+
+
+def _client() -> SyncPrefectClient:
+    """Prefect's sync client; on a plain-HTTP API (the embedded server's, a server in the cluster
+    network) without the TLS context Prefect loads certificates into for every client, a tenth of
+    a second on a busy machine, in the path from a fault to its drain."""
+    url = PREFECT_API_URL.value()
+    plain = url is None or url.startswith("http://")
+    return get_client(sync_client=True, httpx_settings={"verify": _unused_tls()} if plain else None)
+
+
+@functools.cache
+def _unused_tls() -> ssl.SSLContext:
+    return ssl.create_default_context()
 
 
 def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
     pause = 0.02
     while True:
         try:
-            # This request only: its own retries wait seconds; the loop below waits milliseconds.
-            with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}):
-                response = client.increment_concurrency_slots_with_lease(
-                    [NODE_ACTIONS_LIMIT],
-                    1,
-                    "concurrency",
-                    LEASE_SECONDS,
-                    ConcurrencyLeaseHolder(type="flow_run", id=holder),
-                )
-            return _lease_of(response)
+            return _lease_of(_increment(client, holder))
         except httpx.HTTPStatusError as error:
             if error.response.status_code not in BUSY:
                 raise
@@ -169,6 +191,23 @@ def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
                 raise SlotBusy(f"no {NODE_ACTIONS_LIMIT} slot within the wait") from error
             time.sleep(min(_retry_after(error.response, pause), MAX_PAUSE_S, left))
             pause = min(pause * 2, 1.0)
+
+
+def _increment(client: SyncPrefectClient, holder: UUID) -> httpx.Response:
+    """One try for the slot (`increment_concurrency_slots_with_lease`'s request), sent past the
+    client's retry wrapper: even with its retries off, that sleeps 2 s after a busy answer before
+    handing it back, and `_acquire` asks again after milliseconds."""
+    body = {
+        "names": [NODE_ACTIONS_LIMIT],
+        "slots": 1,
+        "mode": "concurrency",
+        "lease_duration": LEASE_SECONDS,
+        "holder": ConcurrencyLeaseHolder(type="flow_run", id=holder).model_dump(mode="json"),
+    }
+    http = client._client  # Prefect's httpx client: its API's base URL, headers and auth
+    response = httpx.Client.send(http, http.build_request("POST", INCREMENT_PATH, json=body))
+    response.raise_for_status()
+    return response
 
 
 def _lease_of(response: httpx.Response) -> UUID:

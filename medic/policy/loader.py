@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,5 +245,13 @@ def load_policy(path: Path | str) -> LoadedPolicy:
             raw = handle.read(MAX_POLICY_BYTES + 1)  # a huge file is refused, not read whole
     except OSError as error:
         raise PolicyError([PolicyProblem(str(path), 0, 0, f"cannot read: {error.strerror}")]) from None
-    policy = parse_policy(decode_policy(raw, str(path)), str(path))
-    return LoadedPolicy(policy, str(path), hashlib.sha256(raw).hexdigest())
+    return LoadedPolicy(_parsed(raw, str(path)), str(path), hashlib.sha256(raw).hexdigest())
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(raw: bytes, name: str) -> Policy:
+    # The file is read at every decision so that an edit applies to the next incident; parsing
+    # and validating it again (a third of a second for the default policy on a busy machine) only
+    # when its bytes changed keeps that promise off the path from a fault to its drain. A frozen
+    # model, so sharing one is safe; a file that fails to parse raises and is not kept.
+    return parse_policy(decode_policy(raw, name), name)

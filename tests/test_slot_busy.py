@@ -1,0 +1,65 @@
+"""A busy answer to the slot's request is asked again after milliseconds: Prefect's client would sleep
+2 s after a 503 even with its retries off, and that wait sat between a fault and its drain."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from prefect.client.orchestration import SyncPrefectClient
+
+from tasks.guard import INCREMENT_PATH, NODE_ACTIONS_LIMIT, _acquire
+
+
+class _Busy(BaseHTTPRequestHandler):
+    """Answers the slot's request as Prefect's server does: 503 while its database is busy (twice
+    here), then the lease."""
+
+    answers: list[int] = []
+    bodies: list[dict[str, object]] = []
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        type(self).bodies.append({"path": self.path, **body})
+        status = type(self).answers.pop(0) if type(self).answers else 200
+        payload = (
+            {"lease_id": str(uuid.uuid4()), "limits": [{"id": str(uuid.uuid4()), "name": NODE_ACTIONS_LIMIT}]}
+            if status == 200
+            else {"detail": "database is locked"}
+        )
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.fixture
+def busy_api() -> Iterator[str]:
+    _Busy.answers, _Busy.bodies = [503, 503], []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/api"
+    server.shutdown()
+
+
+def test_a_busy_server_is_asked_again_after_milliseconds(busy_api: str) -> None:
+    holder = uuid.uuid4()
+    client = SyncPrefectClient(busy_api)
+    started = time.monotonic()
+    _acquire(client, holder, time.monotonic() + 30)
+    took = time.monotonic() - started
+    assert len(_Busy.bodies) == 3 and took < 1.0  # Prefect's own retry would have slept 2 s and 4 s
+    first = _Busy.bodies[0]
+    assert first["path"] == "/api" + INCREMENT_PATH
+    assert (first["names"], first["slots"], first["mode"]) == ([NODE_ACTIONS_LIMIT], 1, "concurrency")
+    assert first["holder"] == {"type": "flow_run", "id": str(holder)}
