@@ -46,6 +46,7 @@ from medic.statuses import ACTIVE_INCIDENT_STATUSES, TERMINAL_INCIDENT_STATUSES
 from medic.store.tables import IncidentRecord
 from medic.topology import Topology
 from tasks import prefect_events
+from tasks.contain import contain
 from tasks.evidence import storms
 from tasks.guard import ensure_limits
 from tasks.reconcile import reconcile_intents
@@ -190,7 +191,19 @@ class LiveDispatcher:
             # or gone) would hold the shutdown past its 10 s.
             incidents = await anyio.to_thread.run_sync(self._correlate, events, abandon_on_cancel=True)
         for incident in incidents:
-            self._spawn(lambda incident=incident: self.start(incident))
+            self._spawn(lambda incident=incident: self._contain_then_start(incident))
+
+    async def _contain_then_start(self, incident: Incident) -> None:
+        """Drain the node first where the decision takes it out (tasks/contain.py), then start its
+        run; a containment that fails leaves the work to the run, which drains as it always has."""
+        if self._warming is not None:
+            await anyio.to_thread.run_sync(self._warming.join)  # the guardrail slot lives on the API
+        try:
+            await ensure_limits()  # made by the warm-up, unless the API was not there yet
+            await anyio.to_thread.run_sync(contain, self.rt, incident.id, incident.node, incident.scope)
+        except Exception:
+            log.exception("containment of %s on %s failed; its flow run goes on", incident.id, incident.node)
+        await self.start(incident)
 
     def _correlate(self, events: list[FaultEvent]) -> list[Incident]:
         """Open (or join) the incidents for these events; returns those this process now runs."""

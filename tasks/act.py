@@ -10,6 +10,7 @@ from medic.policy.model import DESTRUCTIVE
 from medic.statuses import ACT_DONE_STATUSES, ActionStatus, ActStatus, StepStatus
 from medic.store.tables import ActionRecord
 from tasks import prefect_events
+from tasks.contain import release
 from tasks.guard import guarded
 from tasks.host_evidence import keep_host_evidence
 from tasks.node_ops import ensure_drained, held_by_others, reintegrate_node, take_out_of_service
@@ -174,7 +175,11 @@ def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> Act
         elif action is Action.ESCALATE:
             outcome = ActOutcome(action=action, status=ActStatus.ESCALATED, detail=_handed_over(decision))
         else:
-            outcome = ActOutcome(action=action, status=ActStatus.SKIPPED, detail=f"{node} left alone")
+            # Left alone, but the containment may have drained it for an answer that since changed.
+            returned = release(rt, incident_id, node)
+            outcome = ActOutcome(
+                action=action, status=ActStatus.SKIPPED, detail=returned or f"{node} left alone"
+            )
         if outcome.status != ActStatus.SKIPPED:
             prefect_events.action_taken(incident_id, node, action.value, outcome.status, outcome.detail)
         log.done(

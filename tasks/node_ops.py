@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from uuid import UUID
 
 from medic.errors import PermanentError
 from medic.policy import Action, Decision
@@ -40,11 +41,14 @@ class OutOfService:
         return self.stopped[0] if self.stopped else None
 
 
-def take_out_of_service(rt: Runtime, incident_id: str, node: str, intent: Decision, why: str) -> OutOfService:
+def take_out_of_service(
+    rt: Runtime, incident_id: str, node: str, intent: Decision, why: str, holder: UUID | None = None
+) -> OutOfService:
     """The one way a node is drained: the guardrails checked again under the slot for `intent` (a
     `drain`, a `diagnose` at level 2 or more, ...), a tripped breaker recorded, and only then the drain.
-    Stopped, the node is left as it is, and the caller escalates with the guardrail's name."""
-    with guarded(rt, node, intent) as stopped:
+    Stopped, the node is left as it is, and the caller escalates with the guardrail's name.
+    `holder` holds the slot outside a flow run (`guarded`)."""
+    with guarded(rt, node, intent, holder) as stopped:
         if stopped:
             name, reason = stopped
             return OutOfService(
