@@ -22,6 +22,7 @@ from medic.protocols import (
     InstanceReading,
     JobInfo,
     JobState,
+    NicLatencyRun,
     NicLoopbackRun,
     NodeInfo,
 )
@@ -174,23 +175,32 @@ def judge_dcgm(result: DiagnosticResult) -> CheckResult:
 
 
 def judge_nic_loopback(
-    node: str, runs: Sequence[NicLoopbackRun], shape_name: str, shape: Shape
+    node: str,
+    runs: Sequence[NicLoopbackRun],
+    shape_name: str,
+    shape: Shape,
+    latencies: Sequence[NicLatencyRun] = (),
 ) -> CheckResult:
-    """ib_write_bw in loopback on every RDMA device of the shape, each at no less than its floor (when
-    the shape has one: without, the bandwidth is reported, not judged)."""
-    floor = shape.nic_bw_floor_gbps
+    """ib_write_bw, then ib_write_lat, in loopback on every RDMA device of the shape: each bandwidth no
+    lower than the shape's floor, each typical latency no higher than its ceiling (either absent: reported,
+    not judged). No latency measured at all passes only a shape without a ceiling."""
+    floor, ceiling = shape.nic_bw_floor_gbps, shape.nic_lat_ceiling_us
     base = {
         "check": CheckName.NIC_LOOPBACK,
         "nodes": [node],
         "shape": shape_name,
         "command": [word for run in runs[:1] for word in run.command],  # the others differ only in -d
-        "output": "\n".join(f"== {run.device} ==\n{run.output}" for run in runs),
+        "output": "\n".join(
+            [f"== {run.device} ==\n{run.output}" for run in runs]
+            + [f"== {lat.device} latency ==\n{lat.output}" for lat in latencies]
+        ),
     }
     if not shape.rdma_devices:
         return CheckResult(
             **base, verdict=Verdict.PASS, reason=f"shape {shape_name} has no RDMA device to check"
         )
-    missing = sorted({run.missing_tool for run in runs if run.missing_tool})
+    tools = [run.missing_tool for run in runs] + [lat.missing_tool for lat in latencies]
+    missing = sorted({tool for tool in tools if tool})
     if missing:
         return CheckResult(
             **base, verdict=Verdict.SKIPPED, reason=f"not run: {', '.join(missing)} not installed on {node}"
@@ -200,22 +210,49 @@ def judge_nic_loopback(
         "bw_avg_gbps": {run.device: run.bw_avg_gbps for run in runs},
         "bw_peak_gbps": {run.device: run.bw_peak_gbps for run in runs},
         "size_bytes": {run.device: run.size_bytes for run in runs},
+        "ceiling_us": ceiling,
+        "lat_typical_us": {lat.device: lat.typical_us for lat in latencies},
+        "lat_p99_us": {lat.device: lat.p99_us for lat in latencies},
+        "lat_p999_us": {lat.device: lat.p999_us for lat in latencies},
     }
     errors = [f"{run.device}: {run.error or 'no bandwidth read'}" for run in runs if run.bw_avg_gbps is None]
     errors += [f"{d}: not measured" for d in shape.rdma_devices if d not in {run.device for run in runs}]
+    errors += [
+        f"{lat.device} latency: {lat.error or 'no latency read'}"
+        for lat in latencies
+        if lat.typical_us is None
+    ]
+    if latencies:
+        timed = {lat.device for lat in latencies}
+        errors += [f"{d} latency: not measured" for d in shape.rdma_devices if d not in timed]
+    elif ceiling is not None:
+        errors.append(f"latency not measured on {node}")
     if errors:
         return CheckResult(**base, verdict=Verdict.ERROR, reason="; ".join(errors), measured=measured)
-    below = [
-        f"{run.device} {run.bw_avg_gbps:g} Gb/s"
-        for run in runs
-        if floor is not None and run.bw_avg_gbps is not None and run.bw_avg_gbps < floor
-    ]
-    if below and floor is not None:
-        reason = f"{', '.join(below)}, under the floor of {floor:g} Gb/s of shape {shape_name}"
-        return CheckResult(**base, verdict=Verdict.FAIL, reason=reason, measured=measured)
+    problems = []
+    below = [f"{run.device} {run.bw_avg_gbps:g} Gb/s" for run in runs if _under(run.bw_avg_gbps, floor)]
+    if below:
+        problems.append(f"{', '.join(below)}, under the floor of {floor:g} Gb/s of shape {shape_name}")
+    above = [f"{lat.device} {lat.typical_us:g} µs" for lat in latencies if _under(ceiling, lat.typical_us)]
+    if above:
+        problems.append(
+            f"{', '.join(above)} typical latency, over the ceiling of {ceiling:g} µs of shape {shape_name}"
+        )
+    if problems:
+        return CheckResult(**base, verdict=Verdict.FAIL, reason="; ".join(problems), measured=measured)
     judged = f"floor {floor:g} Gb/s" if floor is not None else f"no floor in shape {shape_name}"
-    seen = ", ".join(f"{run.device} {run.bw_avg_gbps:g} Gb/s" for run in runs)
-    return CheckResult(**base, verdict=Verdict.PASS, reason=f"{seen}; {judged}", measured=measured)
+    seen = [", ".join(f"{run.device} {run.bw_avg_gbps:g} Gb/s" for run in runs), judged]
+    if latencies:
+        seen.append(
+            ", ".join(f"{lat.device} {lat.typical_us:g} µs" for lat in latencies) + " typical latency"
+        )
+        seen.append(f"ceiling {ceiling:g} µs" if ceiling is not None else f"no ceiling in shape {shape_name}")
+    return CheckResult(**base, verdict=Verdict.PASS, reason="; ".join(seen), measured=measured)
+
+
+def _under(value: float | None, limit: float | None) -> bool:
+    """value < limit where both are known: a bound that is absent judges nothing."""
+    return value is not None and limit is not None and value < limit
 
 
 def _short(host: str) -> str:

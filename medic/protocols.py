@@ -267,11 +267,34 @@ class NicLoopbackRun:
     finished_at: datetime | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class NicLatencyRun:
+    """What ib_write_lat measured in loopback on one RDMA device of a node, read from its own output:
+    `missing_tool` and `error` as in `NicLoopbackRun`. The percentiles are None where the perftest on
+    the node prints only t_min, t_max and t_typical (before 2016)."""
+
+    node: str
+    device: str
+    command: tuple[str, ...] = ()
+    missing_tool: str | None = None
+    error: str | None = None
+    size_bytes: int | None = None
+    iterations: int | None = None
+    typical_us: float | None = None  # t_typical: the median of the round trips, halved
+    p99_us: float | None = None
+    p999_us: float | None = None
+    output: str = ""  # everything it printed: the check's evidence
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
 @runtime_checkable
 class NicLoopbackTest(Protocol):
     def run(
         self, node: str, device: str, size_bytes: int, duration_s: int, timeout_s: float
     ) -> NicLoopbackRun: ...
+
+    def latency(self, node: str, device: str, iterations: int, timeout_s: float) -> NicLatencyRun: ...
 
 
 @dataclass(frozen=True, slots=True)

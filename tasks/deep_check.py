@@ -28,7 +28,7 @@ from medic.deep_check import (
     unfit_for_stress,
 )
 from medic.policy.deep_checks import CHECK_ORDER, CheckName, DeepChecks
-from medic.protocols import AllReduceSpec, InstanceReading, NicLoopbackRun
+from medic.protocols import AllReduceSpec, InstanceReading, NicLatencyRun, NicLoopbackRun
 from medic.statuses import StepStatus
 from medic.store import utcnow
 from tasks.diagnose import LEVEL_BUDGET_S
@@ -108,17 +108,30 @@ def _loopback(rt: Runtime, deep: DeepChecks, node: str, device: str) -> NicLoopb
         return NicLoopbackRun(node, device, error=f"{type(error).__name__}: {error}")
 
 
+def _latency(rt: Runtime, deep: DeepChecks, node: str, device: str) -> NicLatencyRun:
+    settings = deep.nic_loopback
+    try:
+        return rt.backends.nic_loopback.latency(
+            node, device, settings.latency_iterations, settings.timeout_seconds
+        )
+    except Exception as error:  # any backend failure is no measurement, and so never a pass
+        return NicLatencyRun(node, device, error=f"{type(error).__name__}: {error}")
+
+
 def nic_loopback_check(rt: Runtime, node: str) -> CheckResult:
-    """ib_write_bw in loopback on each RDMA device of the node's shape, one after the other: two at
-    once would share the PCIe and memory they measure."""
+    """ib_write_bw, then ib_write_lat, in loopback on each RDMA device of the node's shape, one run
+    after the other: two at once would share the PCIe and memory they measure, and bandwidth traffic
+    would queue in front of the latency's."""
     deep = rt.policy().policy.deep_checks
     shaped = deep.shape_of(node)
     if shaped is None:
         return no_shape(CheckName.NIC_LOOPBACK, node)
-    if shaped[1].rdma_devices and (why := _guard(rt, [node])):
+    devices = shaped[1].rdma_devices
+    if devices and (why := _guard(rt, [node])):
         return not_run(CheckName.NIC_LOOPBACK, [node], f"NIC loopback not run: {why}")
-    runs = [_loopback(rt, deep, node, device) for device in shaped[1].rdma_devices]
-    return judge_nic_loopback(node, runs, *shaped)
+    runs = [_loopback(rt, deep, node, device) for device in devices]
+    latencies = [_latency(rt, deep, node, device) for device in devices]
+    return judge_nic_loopback(node, runs, *shaped, latencies)
 
 
 def node_checks(
@@ -209,11 +222,11 @@ def run_checks(
 
 
 def node_budget_s(deep: DeepChecks, checks: Collection[CheckName], level: int) -> float:
-    """The time one node's checks may take: the NVML read, DCGM's budget for its level, and a
-    loopback run per RDMA device of the shape with the most."""
+    """The time one node's checks may take: the NVML read, DCGM's budget for its level, and two
+    loopback runs (bandwidth, latency) per RDMA device of the shape with the most."""
     dcgm = LEVEL_BUDGET_S[level] if CheckName.DCGM in checks else 0.0
     devices = max((len(shape.rdma_devices) for shape in deep.shapes.values()), default=0)
-    nic = deep.nic_loopback.timeout_seconds * devices if CheckName.NIC_LOOPBACK in checks else 0.0
+    nic = 2 * deep.nic_loopback.timeout_seconds * devices if CheckName.NIC_LOOPBACK in checks else 0.0
     return PROBE_TIMEOUT_S + dcgm + nic + SLACK_S
 
 

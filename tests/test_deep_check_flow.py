@@ -104,12 +104,23 @@ def test_every_check_passes_and_each_output_is_kept_on_the_incident(rt: Runtime,
         ("nic_loopback", ["gpu-node-2"], "pass"),
         ("all_reduce", ["gpu-node-1", "gpu-node-2"], "pass"),
     ]
-    assert report.results[3].reason == "mlx5_0 390 Gb/s, mlx5_1 390 Gb/s; floor 350 Gb/s"
+    assert report.results[3].reason == (
+        "mlx5_0 390 Gb/s, mlx5_1 390 Gb/s; floor 350 Gb/s; "
+        "mlx5_0 1.5 µs, mlx5_1 1.5 µs typical latency; no ceiling in shape h100-8"
+    )
     reduce = report.results[-1]
     assert (
         reduce.reason == "busbw 360 GB/s at 8 GiB on 16 ranks, floor 300 GB/s"
     )  # across nodes: the network's floor
-    assert calls(fleet, "gpu-node-1") == ["nvml", "diagnose-l3", "nic_loopback", "nic_loopback", "all_reduce"]
+    assert calls(fleet, "gpu-node-1") == [
+        "nvml",
+        "diagnose-l3",
+        "nic_loopback",
+        "nic_loopback",
+        "nic_latency",
+        "nic_latency",
+        "all_reduce",
+    ]
 
     detail = rt.store.incident_detail(inc)
     assert detail is not None
@@ -167,6 +178,25 @@ def test_a_nic_under_its_floor_fails_the_node_and_the_all_reduce_is_not_run(
     )
     assert report.results[-1].reason == "not run: nic_loopback fail on gpu-node-2"
     assert "all_reduce" not in calls(fleet, "gpu-node-1")
+
+
+def test_a_nic_over_its_latency_ceiling_fails_the_node(
+    sqlite_store: Store, sim_backends: Backends, fleet: SimFleet, tmp_path: Path
+) -> None:
+    path = tmp_path / "latency.yaml"
+    path.write_text(
+        POLICY.replace("nic_bw_floor_gbps: 350\n", "nic_bw_floor_gbps: 350\n      nic_lat_ceiling_us: 3\n")
+    )
+    configure(Runtime(sqlite_store, sim_backends, path))
+    drained(fleet, "gpu-node-1", "gpu-node-2")
+    fleet.script_hardware("gpu-node-2", nic_lat_us=7.1)
+    report = asyncio.run(deep_check(["gpu-node-1", "gpu-node-2"]))
+    assert report.verdict is Verdict.FAIL
+    by_check = {(r.check, r.nodes[0]): r for r in report.results}
+    assert by_check[(CheckName.NIC_LOOPBACK, "gpu-node-1")].verdict is Verdict.PASS
+    assert by_check[(CheckName.NIC_LOOPBACK, "gpu-node-2")].reason == (
+        "mlx5_0 7.1 µs, mlx5_1 7.1 µs typical latency, over the ceiling of 3 µs of shape h100-8"
+    )
 
 
 def test_the_gpus_of_a_node_in_service_are_never_loaded(rt: Runtime, fleet: SimFleet) -> None:
@@ -325,18 +355,29 @@ def test_medic_check_deep_json(cli: Backends, fleet: SimFleet, policy: Path) -> 
                 "check": "nic_loopback",
                 "nodes": [node],
                 "verdict": "pass",
-                "reason": "mlx5_0 390 Gb/s, mlx5_1 390 Gb/s; floor 350 Gb/s",
+                "reason": "mlx5_0 390 Gb/s, mlx5_1 390 Gb/s; floor 350 Gb/s; "
+                "mlx5_0 1.5 µs, mlx5_1 1.5 µs typical latency; no ceiling in shape h100-8",
                 "shape": "h100-8",
                 "measured": {
                     "floor_gbps": 350.0,
                     "bw_avg_gbps": {"mlx5_0": 390.0, "mlx5_1": 390.0},
                     "bw_peak_gbps": {"mlx5_0": 390.0, "mlx5_1": 390.0},
                     "size_bytes": {"mlx5_0": 8388608, "mlx5_1": 8388608},
+                    "ceiling_us": None,  # the shape sets none: reported, not judged
+                    "lat_typical_us": {"mlx5_0": 1.5, "mlx5_1": 1.5},
+                    "lat_p99_us": {"mlx5_0": 1.5, "mlx5_1": 1.5},
+                    "lat_p999_us": {"mlx5_0": 1.5, "mlx5_1": 1.5},
                 },
                 "command": ["simulated", "ib_write_bw", "-d", "mlx5_0", "-s", "8388608", "localhost"],
                 "output": "\n".join(
-                    f"== {d} ==\nsimulated ib_write_bw loopback on {node} {d}: 390 Gb/s at 8388608 B"
-                    for d in ("mlx5_0", "mlx5_1")
+                    [
+                        f"== {d} ==\nsimulated ib_write_bw loopback on {node} {d}: 390 Gb/s at 8388608 B"
+                        for d in ("mlx5_0", "mlx5_1")
+                    ]
+                    + [
+                        f"== {d} latency ==\nsimulated ib_write_lat loopback on {node} {d}: 1.5 usec typical"
+                        for d in ("mlx5_0", "mlx5_1")
+                    ]
                 ),
             },
         ]

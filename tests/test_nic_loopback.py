@@ -1,6 +1,7 @@
-"""perftest's ib_write_bw in loopback (integrations/nic_loopback.py): its real output read from the
-runs people posted (tests/fixtures/perftest/SOURCES.md), the command run for real on this machine
-against a stand-in ib_write_bw, and the `nic_loopback` check judged against the shape's floor."""
+"""perftest's ib_write_bw and ib_write_lat in loopback (integrations/nic_loopback.py): their real
+output read from the runs people posted (tests/fixtures/perftest/SOURCES.md), the commands run for real
+on this machine against stand-in tools, and the `nic_loopback` check judged against the shape's floor
+and latency ceiling."""
 
 from __future__ import annotations
 
@@ -11,14 +12,23 @@ from pathlib import Path
 import pytest
 
 from integrations.dcgm.runner import Completed, LocalRunner
-from integrations.nic_loopback import MISSING, IbWriteBwLoopback, PerftestOutputError, parse_output
+from integrations.nic_loopback import (
+    MISSING,
+    IbWriteBwLoopback,
+    PerftestOutputError,
+    missing,
+    parse_latency,
+    parse_output,
+)
 from medic.deep_check import Verdict, judge_nic_loopback, overall
 from medic.policy.deep_checks import DeepChecks, Shape
-from medic.protocols import NicLoopbackRun
+from medic.protocols import NicLatencyRun, NicLoopbackRun, NicLoopbackTest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "perftest"
 LOOPBACK = (FIXTURES / "loopback_ib0_8M_mbsec.txt").read_text()
 ROCE = (FIXTURES / "roce_8B_60s_gbsec.txt").read_text()
+LAT_ALL_SIZES = (FIXTURES / "lat_ib_mlx4_all_sizes.txt").read_text()
+LAT_ROCE = (FIXTURES / "lat_roce_rdma_cm_2B.txt").read_text()
 NODE = "gpu-node-1"
 SHAPE = Shape(gpus=8, busbw_floor_gbps=400, rdma_devices=("mlx5_0", "mlx5_1"), nic_bw_floor_gbps=190)
 
@@ -45,8 +55,16 @@ def measured(device: str, gbps: float) -> NicLoopbackRun:
     )
 
 
+def timed(device: str, typical_us: float) -> NicLatencyRun:
+    return NicLatencyRun(
+        NODE, device, ("ib_write_lat",), size_bytes=2, iterations=1000, typical_us=typical_us
+    )
+
+
 def test_every_fixture_is_read() -> None:
     assert sorted(p.name for p in FIXTURES.glob("*.txt")) == [
+        "lat_ib_mlx4_all_sizes.txt",
+        "lat_roce_rdma_cm_2B.txt",
         "loopback_ib0_8M_mbsec.txt",
         "roce_8B_60s_gbsec.txt",
     ]
@@ -193,3 +211,135 @@ def test_the_script_says_when_ib_write_bw_is_not_on_the_node(stand_in: Path) -> 
     assert not any((Path(d) / "ib_write_bw").exists() for d in os.environ["PATH"].split(":"))
     run = IbWriteBwLoopback(LocalRunner(aliases=[NODE])).run(NODE, "mlx5_0", 65536, 1, 30)
     assert (run.missing_tool, run.error) == ("ib_write_bw", None)
+
+
+def test_a_latency_table_of_every_size_is_read_by_its_columns() -> None:
+    report = parse_latency(LAT_ALL_SIZES)
+    assert report.columns[-2:] == ["99% percentile[usec]", "99.9% percentile[usec]"]
+    assert [r.size_bytes for r in report.rows] == [2**n for n in range(1, 24)]
+    first, last = report.rows[0], report.rows[-1]
+    assert (first.iterations, first.min_us, first.max_us, first.typical_us) == (20000, 0.88, 6.84, 0.98)
+    assert (first.avg_us, first.stdev_us, first.p99_us, first.p999_us) == (1.03, 0.2, 1.21, 5.42)
+    assert (last.size_bytes, last.typical_us, last.p999_us) == (8388608, 2302.01, 2335.48)
+    assert report.smallest == first
+
+
+def test_a_latency_run_over_rdma_cm_is_read_as_printed() -> None:
+    row = parse_latency(LAT_ROCE).smallest
+    assert (row.size_bytes, row.iterations, row.typical_us, row.p99_us, row.p999_us) == (
+        2,
+        1000,
+        1.47,
+        1.57,
+        1.93,
+    )
+
+
+def test_latency_output_without_a_result_is_refused() -> None:
+    lines = LAT_ROCE.splitlines()
+    header = next(i for i, line in enumerate(lines) if "#bytes" in line)
+    with pytest.raises(PerftestOutputError, match="no latency table"):
+        parse_latency("\n".join(lines[:header]))
+    with pytest.raises(PerftestOutputError, match="no result under its header"):
+        parse_latency("\n".join(lines[: header + 1]))
+    with pytest.raises(PerftestOutputError, match="no latency table"):
+        parse_latency(LOOPBACK)  # a bandwidth table is no latency
+
+
+def test_the_latency_run_reads_its_table_and_keeps_the_output() -> None:
+    runner = Scripted(completed(LAT_ROCE))
+    backend = IbWriteBwLoopback(runner)
+    assert isinstance(backend, NicLoopbackTest)
+    run = backend.latency(NODE, "mlx5_0", 1000, 120)
+    assert (run.error, run.missing_tool, run.size_bytes, run.iterations) == (None, None, 2, 1000)
+    assert (run.typical_us, run.p99_us, run.p999_us, run.output) == (1.47, 1.57, 1.93, LAT_ROCE)
+    [(node, argv, timeout)] = runner.asked
+    assert (node, argv[:2], argv[3:], timeout) == (NODE, ("sh", "-c"), ("sh", "mlx5_0", "1000"), 120)
+
+
+def test_without_ib_write_lat_the_check_is_skipped_never_passed() -> None:
+    done = completed(missing("ib_write_lat") + "\n", 127)
+    lat = IbWriteBwLoopback(Scripted(done)).latency(NODE, "mlx5_0", 1000, 120)
+    assert (lat.missing_tool, lat.typical_us) == ("ib_write_lat", None)
+    runs = [measured("mlx5_0", 201.8), measured("mlx5_1", 195)]
+    result = judge_nic_loopback(NODE, runs, "h100-8", SHAPE, [lat, lat])
+    assert (result.verdict, result.reason) == (
+        Verdict.SKIPPED,
+        "not run: ib_write_lat not installed on gpu-node-1",
+    )
+
+
+def test_each_device_is_judged_against_the_shapes_latency_ceiling() -> None:
+    shape = SHAPE.model_copy(update={"nic_lat_ceiling_us": 3})
+    runs = [measured("mlx5_0", 201.8), measured("mlx5_1", 195)]
+    ok = judge_nic_loopback(NODE, runs, "h100-8", shape, [timed("mlx5_0", 1.47), timed("mlx5_1", 2.9)])
+    assert (ok.verdict, ok.reason) == (
+        Verdict.PASS,
+        "mlx5_0 201.8 Gb/s, mlx5_1 195 Gb/s; floor 190 Gb/s; mlx5_0 1.47 µs, mlx5_1 2.9 µs typical latency; "
+        "ceiling 3 µs",
+    )
+    assert ok.measured["lat_typical_us"] == {"mlx5_0": 1.47, "mlx5_1": 2.9}
+    assert "== mlx5_1 latency ==" in ok.output
+    slow = judge_nic_loopback(NODE, runs, "h100-8", shape, [timed("mlx5_0", 1.47), timed("mlx5_1", 7.1)])
+    assert (slow.verdict, slow.reason) == (
+        Verdict.FAIL,
+        "mlx5_1 7.1 µs typical latency, over the ceiling of 3 µs of shape h100-8",
+    )
+
+
+def test_without_a_ceiling_the_latency_is_reported_not_judged() -> None:
+    runs = [measured("mlx5_0", 201.8), measured("mlx5_1", 195)]
+    result = judge_nic_loopback(NODE, runs, "h100-8", SHAPE, [timed("mlx5_0", 9.5), timed("mlx5_1", 9.6)])
+    assert result.verdict is Verdict.PASS
+    assert result.reason.endswith("mlx5_0 9.5 µs, mlx5_1 9.6 µs typical latency; no ceiling in shape h100-8")
+    half = judge_nic_loopback(NODE, runs, "h100-8", SHAPE, [timed("mlx5_0", 9.5)])
+    assert (half.verdict, half.reason) == (Verdict.ERROR, "mlx5_1 latency: not measured")
+
+
+def test_a_ceiling_with_no_latency_measured_is_no_verdict() -> None:
+    """Bandwidth alone cannot pass a shape that sets a latency ceiling."""
+    shape = SHAPE.model_copy(update={"nic_lat_ceiling_us": 3})
+    runs = [measured("mlx5_0", 201.8), measured("mlx5_1", 195)]
+    result = judge_nic_loopback(NODE, runs, "h100-8", shape)
+    assert (result.verdict, result.reason) == (
+        Verdict.ERROR,
+        "latency not measured on gpu-node-1",
+    )
+    timed_out = NicLatencyRun(
+        NODE, "mlx5_1", error="ib_write_lat loopback on mlx5_1 did not finish within 30 s"
+    )
+    result = judge_nic_loopback(NODE, runs, "h100-8", shape, [timed("mlx5_0", 1.5), timed_out])
+    assert (result.verdict, result.reason) == (
+        Verdict.ERROR,
+        "mlx5_1 latency: ib_write_lat loopback on mlx5_1 did not finish within 30 s",
+    )
+
+
+def test_the_policy_reads_the_latency_ceiling_and_iterations() -> None:
+    deep = DeepChecks.model_validate(
+        {
+            "shapes": {"h100-8": {"gpus": 8, "busbw_floor_gbps": 400, "nic_lat_ceiling_us": 2.5}},
+            "nic_loopback": {"latency_iterations": 10000},
+        }
+    )
+    assert (deep.shapes["h100-8"].nic_lat_ceiling_us, deep.nic_loopback.latency_iterations) == (2.5, 10000)
+    assert (SHAPE.nic_lat_ceiling_us, DeepChecks().nic_loopback.latency_iterations) == (None, 1000)
+    with pytest.raises(ValueError, match="nic_lat_ceiling_us"):
+        Shape.model_validate({"gpus": 8, "busbw_floor_gbps": 400, "nic_lat_ceiling_us": 0})
+
+
+def test_the_latency_script_runs_a_server_and_reads_the_clients_table(stand_in: Path) -> None:
+    tool = stand_in / "ib_write_lat"
+    tool.write_text(
+        f'#!/bin/sh\nfor last; do :; done\nif [ "$last" = localhost ]; then cat {FIXTURES / "lat_roce_rdma_cm_2B.txt"}; '
+        f'else echo "$*" > {stand_in / "server"}; fi\n'
+    )
+    tool.chmod(0o755)
+    run = IbWriteBwLoopback(LocalRunner(aliases=[NODE])).latency(NODE, "mlx5_0", 1000, 30)
+    assert (run.error, run.typical_us) == (None, 1.47)
+    assert (stand_in / "server").read_text() == "-d mlx5_0 -n 1000 -F\n"
+
+
+def test_the_latency_script_says_when_ib_write_lat_is_not_on_the_node(stand_in: Path) -> None:
+    run = IbWriteBwLoopback(LocalRunner(aliases=[NODE])).latency(NODE, "mlx5_0", 1000, 30)
+    assert (run.missing_tool, run.error) == ("ib_write_lat", None)

@@ -1,5 +1,5 @@
 """`InstanceProbe`, `AllReduceTest` and `NicLoopbackTest` over the simulated fleet: each node's
-`SimHardware` as NVML, an all-reduce and ib_write_bw would show it. A node that is not in the fleet gets an error, never a reading."""
+`SimHardware` as NVML, an all-reduce, ib_write_bw and ib_write_lat would show it. A node that is not in the fleet gets an error, never a reading."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import json
 from datetime import UTC, datetime
 
 from integrations.sim.fleet import SimFleet, SimHardware, UnknownSimNodeError
-from medic.protocols import AllReduceRun, AllReduceSpec, GpuReading, InstanceReading, NicLoopbackRun
+from medic.protocols import (
+    AllReduceRun,
+    AllReduceSpec,
+    GpuReading,
+    InstanceReading,
+    NicLatencyRun,
+    NicLoopbackRun,
+)
 
 SIM_GPU = "NVIDIA H100 80GB HBM3"
 
@@ -104,14 +111,12 @@ class SimNicLoopback:
     ) -> NicLoopbackRun:
         started = datetime.now(UTC)
         command = ("simulated", "ib_write_bw", "-d", device, "-s", str(size_bytes), "localhost")
-        with self.fleet.lock:
-            if not self.fleet.has_node(node):
-                why = str(UnknownSimNodeError(node, list(self.fleet.nodes)))
-                return NicLoopbackRun(
-                    node, device, command, error=why, started_at=started, finished_at=datetime.now(UTC)
-                )
-            self.fleet.record_call(node, "nic_loopback")
-            gbps = self.fleet.hardware_of(node).nic_gbps
+        hardware, why = self._hardware(node, "nic_loopback")
+        if hardware is None:
+            return NicLoopbackRun(
+                node, device, command, error=why, started_at=started, finished_at=datetime.now(UTC)
+            )
+        gbps = hardware.nic_gbps
         return NicLoopbackRun(
             node,
             device,
@@ -124,3 +129,34 @@ class SimNicLoopback:
             started_at=started,
             finished_at=datetime.now(UTC),
         )
+
+    def latency(self, node: str, device: str, iterations: int, timeout_s: float) -> NicLatencyRun:
+        started = datetime.now(UTC)
+        command = ("simulated", "ib_write_lat", "-d", device, "-n", str(iterations), "localhost")
+        hardware, why = self._hardware(node, "nic_latency")
+        if hardware is None:
+            return NicLatencyRun(
+                node, device, command, error=why, started_at=started, finished_at=datetime.now(UTC)
+            )
+        typical = hardware.nic_lat_us
+        return NicLatencyRun(
+            node,
+            device,
+            command,
+            size_bytes=2,
+            iterations=iterations,
+            typical_us=typical,
+            p99_us=typical,
+            p999_us=typical,
+            output=f"simulated ib_write_lat loopback on {node} {device}: {typical:g} usec typical",
+            started_at=started,
+            finished_at=datetime.now(UTC),
+        )
+
+    def _hardware(self, node: str, call: str) -> tuple[SimHardware | None, str]:
+        """The node's hardware, the call recorded; for a node not in the fleet, None and why."""
+        with self.fleet.lock:
+            if not self.fleet.has_node(node):
+                return None, str(UnknownSimNodeError(node, list(self.fleet.nodes)))
+            self.fleet.record_call(node, call)
+            return self.fleet.hardware_of(node), ""

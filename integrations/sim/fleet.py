@@ -73,6 +73,7 @@ class SimHardware:
     fabric_busbw_gbps: float = 360.0  # ... across nodes: what the network gives each
     wrong_results: bool = False  # an all-reduce on it computes wrong sums
     nic_gbps: float = 390.0  # ib_write_bw loopback on each RDMA device: a 400 Gb/s NIC's
+    nic_lat_us: float = 1.5  # ib_write_lat's t_typical in loopback, 2-byte writes
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from pydantic import (
 DEFAULT_MAX_BYTES = 8 * 1024**3
 Bandwidth = Annotated[float, Field(gt=0, le=100_000)]  # GB/s; above any link built
 NicBandwidth = Annotated[float, Field(gt=0, le=10_000)]  # Gb/s, as perftest reports; above any NIC built
+NicLatency = Annotated[float, Field(gt=0, le=1_000_000)]  # µs, as perftest reports; a second is no RDMA link
 RdmaDevice = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]  # goes on the node's command line
 
 
@@ -61,12 +62,17 @@ class Shape(_Strict):
     )
     rdma_devices: tuple[RdmaDevice, ...] = Field(
         (),
-        description="RDMA devices (mlx5_0) the nic_loopback check runs ib_write_bw on, one after the other "
-        "(none: nothing to check).",
+        description="RDMA devices (mlx5_0) the nic_loopback check runs ib_write_bw and ib_write_lat on, one "
+        "after the other (none: nothing to check).",
     )
     nic_bw_floor_gbps: NicBandwidth | None = Field(
         None,
         description="Lowest ib_write_bw loopback bandwidth (BW average, Gb/s) of each RDMA device; "
+        "none: measured and reported, not judged.",
+    )
+    nic_lat_ceiling_us: NicLatency | None = Field(
+        None,
+        description="Highest ib_write_lat loopback latency (t_typical, the median, µs) of each RDMA device; "
         "none: measured and reported, not judged.",
     )
 
@@ -92,14 +98,27 @@ class AllReduceSizes(_Strict):
 
 
 class NicLoopback(_Strict):
-    """How perftest's ib_write_bw runs in loopback on each RDMA device of a node."""
+    """How perftest's ib_write_bw, then ib_write_lat, run in loopback on each RDMA device of a node."""
 
     size_bytes: PositiveInt = Field(
-        8 * 1024**2, le=1024**3, description="Message size (-s): large enough to fill the link."
+        8 * 1024**2, le=1024**3, description="ib_write_bw's message size (-s): large enough to fill the link."
     )
-    duration_seconds: int = Field(5, ge=1, le=600, description="How long each device is measured (-D).")
+    duration_seconds: int = Field(
+        5, ge=1, le=600, description="How long ib_write_bw measures each device (-D)."
+    )
+    latency_iterations: int = Field(
+        1000,
+        ge=10,
+        le=1_000_000,
+        description="Round trips ib_write_lat times on each device (-n; 1000 is perftest's default), at its "
+        "default 2-byte message: its median and percentiles need counted iterations, a duration gives only "
+        "an average.",
+    )
     timeout_seconds: float = Field(
-        120, gt=0, le=3600, description="Hard limit for one device's run, the server's start included."
+        120,
+        gt=0,
+        le=3600,
+        description="Hard limit for one device's run of each tool, the server's start included.",
     )
 
 
