@@ -113,6 +113,13 @@ def test_the_trigger_runs_each_announced_incident_once_on_a_worker(
     assert run.work_pool_name == "medic" and run.infrastructure_pid  # a worker started its process
     assert run.state is not None and run.state.is_completed()
     assert str(run.id) == settled.flow_run_id  # and that run is the one that remediated
+    # The service drained the node before the worker's run began; that run found it drained.
+    detail = postgres_store.incident_detail(incident.id)
+    assert detail is not None
+    contained, triaged = (next(s for s in detail.steps if s.stage == name) for name in ("contain", "triage"))
+    assert (contained.status, contained.summary) == ("ok", f"drained {NODE}")
+    assert contained.finished_at <= triaged.started_at
+    assert sorted(a.action for a in detail.actions) == ["drain", "reboot", "resume"]
 
     # One announcement in Prefect's feed, with its fixed id: the flow run did not announce again.
     opened_filter = EventFilter(
