@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
 
 from apps.cli._common import err
@@ -59,7 +61,14 @@ app.add_typer(fleet_app, name="fleet")
 app.add_typer(sweep_app, name="sweep")
 
 
+EMBEDDED_START_S = "120"
+
+
 def main() -> None:
+    # Prefect gives its embedded server 20 s to start. Under load (two cores running flows, a
+    # benchmark, a build) it has been seen to need more, and a service that cannot reach its API
+    # acts on no fault; set the variable to choose another bound.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EMBEDDED_START_S)
     try:
         app()
     except PolicyError as error:  # a broken config file: file:line:column, no traceback
