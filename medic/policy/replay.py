@@ -346,8 +346,9 @@ class _Decider:
     def _rule(self, text: str, key: str, now: datetime) -> _Ruled | None:
         """Decide on kept facts; None when their events are no longer in the store."""
         kept = FactsRecord.model_validate_json(text)
-        events = self.events
-        if not all(i in events for i in kept.event_ids):
+        try:
+            facts = facts_from(kept, self.events, self.context)
+        except KeyError:  # one of its events is no longer in the store
             return None
         if kept.switch and kept.switch_size:
             # The context's: the engine reads the size there.
@@ -355,7 +356,6 @@ class _Decider:
             self.sizes_recorded = True
         else:
             self.sizes_missing |= kept.switch is not None
-        facts = facts_from(kept, events, self.context)
         faults = [e.time for e in facts.events if e.kind is not EventKind.DIAGNOSTIC]
         self._reads(facts)
         return _Ruled(

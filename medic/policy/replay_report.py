@@ -241,24 +241,20 @@ def _report(
     taken_before: Counter[str] = Counter()
     taken_after: Counter[str] = Counter()
     decisions = 0
-    for decided, after in judged:
+    for pair in judged:
+        decided, after = pair
         decisions += 1
-        by_incident[decided.incident].append((decided, after))
+        by_incident[decided.incident].append(pair)
         before = decided.before
         if _acted(decided.last, before) and takes_node_out(before):
             taken_before[decided.node] += 1
         if _acted(decided.last, after) and takes_node_out(after):
             taken_after[decided.node] += 1
-    tally: dict[str, Counter[str]] = {"actions before": Counter(), "actions after": Counter()}
-    tally |= {"rules before": Counter(), "rules after": Counter()}
+    finals = [its[-1] for its in by_incident.values()]
+    actions_before, rules_before = _tally([final.before for final, _ in finals])
+    actions_after, rules_after = _tally([after for _, after in finals])
     changes: list[ChangedIncident] = []
-    for incident, its in by_incident.items():
-        final, after = its[-1]
-        before = final.before
-        tally["actions before"][before.action.value] += 1
-        tally["actions after"][after.action.value] += 1
-        tally["rules before"][before.rule] += 1
-        tally["rules after"][after.rule] += 1
+    for (incident, its), (final, after) in zip(by_incident.items(), finals, strict=True):
         if all(d.before.action is a.action and d.before.diagnose_level == a.diagnose_level for d, a in its):
             continue  # the same steps, as most incidents' are
         steps_before = _steps(decided.before for decided, _ in its)
@@ -269,7 +265,7 @@ def _report(
                     incident=incident,
                     node=final.node,
                     decided_at=final.decided_at,
-                    before=before,
+                    before=final.before,
                     after=after,
                     steps_before=steps_before,
                     steps_after=steps_after,
@@ -292,12 +288,24 @@ def _report(
         rebuilt=rebuilt,
         skipped=skipped,
         changed=len(changes),
-        actions=_counts(tally["actions before"], tally["actions after"]),
-        rules=_counts(tally["rules before"], tally["rules after"]),
+        actions=_counts(actions_before, actions_after),
+        rules=_counts(rules_before, rules_after),
         changes=changes,
         nodes=nodes,
         guardrails=trips,
     )
+
+
+def _tally(outcomes: list[Outcome]) -> tuple[Counter[str], Counter[str]]:
+    """How many of the outcomes have each action, and each rule. Counted by object first: decisions
+    share a few outcome objects, and a replay has hundreds of thousands of incidents."""
+    objects = dict(zip(map(id, outcomes), outcomes, strict=True))
+    actions: Counter[str] = Counter()
+    rules: Counter[str] = Counter()
+    for key, n in Counter(map(id, outcomes)).items():
+        actions[objects[key].action.value] += n
+        rules[objects[key].rule] += n
+    return actions, rules
 
 
 def _counts(before: Counter[str], after: Counter[str]) -> dict[str, Count]:
