@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from factories import fault_event
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from medic.ageing import PastIncident
@@ -245,8 +245,15 @@ def test_the_generated_incidents_reach_every_rule():
     """The property above is only as good as its incidents: each rule must win or match somewhere."""
     seen: set[str] = set()
 
+    # A switch storm needs the same kind from both nodes of a switch within minutes: rare enough in
+    # the drawn streams that whether one turns up depends on Hypothesis's version, so one is given.
+    storm = [
+        fault_event("nccl_timeout", id=f"s{n}", minutes=1, node=n, switch="leaf-1") for n in ("n1", "n2")
+    ]
+
     @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
     @given(stream=events(), out_of_service=st.booleans())
+    @example(stream=storm, out_of_service=False)
     def collect(stream, out_of_service):
         context = Context(stream, switch_sizes={"leaf-1": 2, "leaf-2": 2})
         for facts in facts_in_turn(EVERY_CONDITION, correlate(stream), out_of_service, context):
