@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -57,6 +59,9 @@ def _int64(value: int) -> int:
 
 
 _INT64_MESSAGE = "integer out of range: must fit in signed 64 bits (-2**63 to 2**63-1)"
+
+# `json.dumps` with options builds an encoder per call; this one is built once.
+_COMPACT = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 EventTime = Annotated[AwareDatetime, AfterValidator(_sane_time)]
 Count = Annotated[NonNegativeInt, AfterValidator(_int64)]
@@ -202,16 +207,30 @@ class FaultEvent(BaseModel):
         attributes = typed.model_dump(mode="json", exclude_none=True)
         # Again after coercion: "99999999999999999999" was a string and is now an integer.
         problem = value_problem(attributes, "attributes")
-        compact = json.dumps(attributes, ensure_ascii=False, separators=(",", ":"))
-        if problem is None and len(compact.encode()) > MAX_ATTRIBUTES_BYTES:
+        if problem is None and len(_COMPACT.encode(attributes).encode()) > MAX_ATTRIBUTES_BYTES:
             problem = f"attributes: larger than {MAX_ATTRIBUTES_BYTES} bytes as JSON"
         if problem:
             raise ValueError(problem)
-        object.__setattr__(self, "attributes", attributes)
+        fields = self.__dict__
+        fields["attributes"] = attributes
+        # A replay holds hundreds of thousands of events: the names of nodes, switches, jobs and
+        # sources repeat, and so does the set of fields given, which pydantic keeps per instance
+        # (the model is frozen, so nothing changes a shared one).
+        for name in _REPEATED:
+            value = fields[name]
+            if value is not None:
+                fields[name] = sys.intern(value)
+        given = self.__pydantic_fields_set__
+        object.__setattr__(self, "__pydantic_fields_set__", _FIELDS_GIVEN.setdefault(frozenset(given), given))
         return self
 
     def typed_attributes(self) -> _Attributes:
         return ATTRIBUTE_MODELS[self.kind].model_validate(self.attributes)
+
+
+_REPEATED = ("source", "node", "job", "switch")
+# At most one per subset of the envelope's optional fields.
+_FIELDS_GIVEN: dict[frozenset[str], set[str]] = {}
 
 
 def _too_deep(value: Any, limit: int) -> bool:
@@ -235,6 +254,82 @@ def value_problem(value: Any, path: str = "") -> str | None:
     integers must fit in signed 64 bits, numbers must be finite; `attributes` also has a limit on
     its keys and items. Iterative, so no input can exhaust the stack.
     """
+    # Every event goes through here twice: a walk that only says whether anything is wrong is a
+    # fraction of the cost of naming where, which only a bad value pays for.
+    if not path:
+        state = _ROOT
+    elif path == "attributes" or path.startswith("attributes."):
+        state = _IN_ATTRIBUTES
+    else:
+        state = _OUTSIDE
+    return _first_problem(value, path) if _any_problem(value, state) else None
+
+
+# Where a container is, for `_any_problem`: as `_first_problem` tells it from the path it builds.
+_ROOT, _OUTSIDE, _IN_ATTRIBUTES = 0, 1, 2
+
+
+def _any_problem(value: Any, state: int) -> bool:
+    """Whether `_first_problem` finds something: the same checks, with no path built."""
+    items = 0
+    stack: list[tuple[Any, int]] = [(value, state)]
+    while stack:
+        item, state = stack.pop()
+        if isinstance(item, dict):
+            pairs: Iterable[tuple[Any, Any]] = item.items()
+        elif isinstance(item, list):
+            pairs = enumerate(item)
+        else:
+            if _leaf_problem(item):
+                return True
+            continue
+        inside = state == _IN_ATTRIBUTES
+        if inside:
+            items += len(item)
+            if items > MAX_ATTRIBUTE_ITEMS:
+                return True
+        for key, child in pairs:
+            if isinstance(key, str):
+                if not key.isascii() and _has_surrogate(key):
+                    return True
+                if inside and len(key) > MAX_ATTRIBUTE_KEY_LENGTH:
+                    return True
+            kind = type(child)
+            # The JSON types themselves first, inline: each event has a dozen of them.
+            if kind is str:
+                if not child.isascii() and _has_surrogate(child):
+                    return True
+            elif kind is int:
+                if not INT64_MIN <= child <= INT64_MAX:
+                    return True
+            elif kind is dict or kind is list or isinstance(child, dict | list):
+                stack.append((child, state or _child_state(key)))
+            elif _leaf_problem(child):
+                return True
+    return False
+
+
+def _child_state(key: Any) -> int:
+    """Where a child of the root is: its path is its key (a string key cut to 40 characters)."""
+    where = key[:40] if isinstance(key, str) else str(key)
+    if not where:
+        return _ROOT
+    return _IN_ATTRIBUTES if where == "attributes" or where.startswith("attributes.") else _OUTSIDE
+
+
+def _leaf_problem(item: Any) -> bool:
+    if isinstance(item, str):
+        return not item.isascii() and _has_surrogate(item)
+    if isinstance(item, bool):
+        return False
+    if isinstance(item, int):
+        return not INT64_MIN <= item <= INT64_MAX
+    if isinstance(item, float):
+        return not math.isfinite(item)
+    return False
+
+
+def _first_problem(value: Any, path: str) -> str | None:
     items = 0
     stack: list[tuple[Any, str]] = [(value, path)]
     while stack:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 from factories import event_line
+from rich.console import Console
 from typer.testing import CliRunner
 
 from apps.cli.app import app
@@ -316,3 +318,21 @@ def test_hostile_lines_are_rejected_and_the_rest_triaged(tmp_path: Path) -> None
     assert [line["nodes"] for line in lines] == [["gpu-001"], ["gpu-002"]]
     for number, why in [(2, "time: "), (3, "gpu: integer out of range"), (4, "source: not valid UTF-8")]:
         assert f"rejected {events}:{number}: {why}" in result.stderr
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_bar_on_a_terminal_only_and_never_on_stdout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, terminal: bool
+) -> None:
+    events = write(
+        tmp_path / "events.jsonl",
+        [ev(f"p-{i}", "nan_loss", node=f"gpu-{i:03d}") for i in range(5)],
+    )
+    drawn = io.StringIO()
+    monkeypatch.setattr("apps.cli.triage.err", Console(file=drawn, force_terminal=terminal, width=200))
+    monkeypatch.setattr("apps.cli.triage.PROGRESS_EVERY", 1)
+    lines, result = triage_json(str(events))
+    assert len(lines) == 5
+    assert all(line.startswith("{") for line in result.stdout.splitlines())  # stdout stays pure JSON
+    assert "events" not in result.stdout
+    assert ("5 events" in drawn.getvalue()) is terminal

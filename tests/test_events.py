@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from medic.events import (
@@ -18,8 +20,10 @@ from medic.events import (
     FaultEvent,
     GpuMissingAttributes,
     XidAttributes,
+    _first_problem,
     describe_validation_error,
     event_time,
+    value_problem,
 )
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "events.md"
@@ -434,3 +438,30 @@ def test_docs_examples_are_valid_and_cover_every_kind() -> None:
     events = [FaultEvent.model_validate(json.loads(line)) for line in examples]
     assert [e.kind for e in events] == list(EventKind)
     assert len({e.id for e in events}) == len(events)
+
+
+# --- value_problem's quick walk says "wrong" exactly when the full walk names a problem ----------
+
+_SCALARS = st.one_of(
+    st.text(st.characters(codec=None, categories=None), max_size=8),  # lone surrogates included
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.none(),
+)
+_KEYS = st.one_of(st.text(max_size=8), st.text(min_size=195, max_size=205), st.just("attributes"))
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=6),
+        st.dictionaries(_KEYS, inner, max_size=6),
+        st.lists(st.integers(0, 9), min_size=995, max_size=1005),  # around the item limit
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_VALUES, path=st.sampled_from(["", "attributes", "attributes.k", "node"]))
+def test_the_quick_check_agrees_with_the_full_one(value: Any, path: str) -> None:
+    assert value_problem(value, path) == _first_problem(value, path)

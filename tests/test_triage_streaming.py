@@ -236,6 +236,12 @@ def test_ids_are_remembered_compactly_and_exactly():
     assert all(ids.add(f"ev-{i}") for i in range(20_000))
     assert not any(ids.add(f"ev-{i}") for i in range(20_000))
     assert ids.add("ev-20000")
+    # Ids of every length the schema allows, non-ASCII too, repeated at random: as a set of strings.
+    rng, seen = random.Random(7), set()
+    pool = [f"{'é' * (i % 7)}{i}{'x' * (i % 200)}"[:200] for i in range(3_000)]
+    for event_id in (rng.choice(pool) for _ in range(10_000)):
+        assert ids.add(event_id) is (event_id not in seen)
+        seen.add(event_id)
 
 
 def test_a_file_out_of_time_order_prints_what_the_sorted_file_prints(tmp_path: Path) -> None:
