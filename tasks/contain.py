@@ -60,9 +60,11 @@ def contain(rt: Runtime, incident_id: str, node: str, scope: Scope) -> Decision 
 def release(rt: Runtime, incident_id: str, node: str) -> str | None:
     """Return the node when this incident's containment drained it and still holds it, but its
     flow decided to leave the node alone; None when there was no such drain to undo."""
-    if drain_incident(rt.backends.scheduler.node(node).reason) != incident_id:
+    # The store first, one query: most incidents left alone were never contained, and for them the
+    # scheduler (an `scontrol` call on Slurm) is not asked. A drain by another of the incident's
+    # stages (a diagnostic's) answers for itself.
+    if not any(s.stage == STAGE and s.status == StepStatus.OK for s in rt.store.steps_of(incident_id)):
         return None
-    detail = rt.store.incident_detail(incident_id)
-    if detail is None or not any(s.stage == STAGE and s.status == StepStatus.OK for s in detail.steps):
-        return None  # drained by another of its stages (a diagnostic's), which answers for it
+    if drain_incident(rt.backends.scheduler.node(node).reason) != incident_id:
+        return None  # no longer ours to return: resumed, or taken by someone since
     return resume_node(rt, incident_id, node)
