@@ -5,12 +5,13 @@ process, the report the cluster's every event would give, from a context of the 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import func, select, text, update
+from sqlmodel import col
 
 import apps.cli.replay_parallel as parallel
 from bench.replay import fill
@@ -19,8 +20,9 @@ from medic.events import EventKind
 from medic.policy import LoadedPolicy, load_policy
 from medic.policy.model import Action, Policy
 from medic.policy.replay import History, decided_as_one, replay
-from medic.policy.replay_report import Outcome, Redecided, Redecisions, ReplayReport
+from medic.policy.replay_report import Judge, Outcome, Redecided, Redecisions, ReplayReport, judge
 from medic.store import Store
+from medic.store.tables import DecisionRecord, IncidentRecord
 
 DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
 
@@ -144,6 +146,52 @@ def test_a_half_that_fails_leaves_the_replay_to_this_process(
     loaded = load_policy(DEFAULT_POLICY)
     assert parallel.replay_store(filled, loaded, None, parallel_from=0) == in_one_process(filled, loaded)
     assert whole == [1]
+
+
+@pytest.mark.parametrize("moved", ["earlier after the split", "later before the split"])
+def test_decisions_made_across_the_split_are_judged_in_the_order_they_were_made(
+    tmp_path: Path, whole: list[int], monkeypatch: pytest.MonkeyPatch, moved: str
+) -> None:
+    # This process judges its decisions made before the later half's incidents opened while the other
+    # decides; an earlier incident decided after that is merged with the later half's decisions, and a
+    # later incident decided before it opened (a replica's clock behind) has everything judged again.
+    store = Store(f"sqlite:///{tmp_path / 'medic.db'}")
+    loaded = edited(tmp_path, "max_out_of_service_percent: 10", "max_out_of_service: 3")
+    fill(store, loaded, 100)
+    split = store.replay_split(None)
+    assert split is not None
+    opened = col(IncidentRecord.opened_at)
+    with store.engine.begin() as connection:
+        if moved == "earlier after the split":
+            incident = select(col(IncidentRecord.id)).where(opened < split.middle).order_by(opened.desc())
+            row, at = func.max(col(DecisionRecord.id)), split.middle + HOUR
+        else:
+            incident = select(col(IncidentRecord.id)).where(opened >= split.middle).order_by(opened)
+            row, at = func.min(col(DecisionRecord.id)), split.middle - HOUR
+        chosen = select(row).where(col(DecisionRecord.incident_id) == incident.limit(1).scalar_subquery())
+        connection.execute(
+            update(DecisionRecord)
+            .where(col(DecisionRecord.id) == chosen.scalar_subquery())
+            .values(decided_at=at)
+        )
+    judged_again: list[int] = []
+    monkeypatch.setattr(parallel, "judge", lambda *args: judged_again.append(1) or judge(*args))
+    order: list[tuple[datetime, int]] = []
+
+    class Recorded(Judge):
+        def take(self, decisions: Iterable[Redecided]) -> None:
+            taken = list(decisions)
+            order.extend((d.decided_at, d.id) for d in taken)
+            super().take(taken)
+
+    monkeypatch.setattr(parallel, "Judge", Recorded)
+    report = parallel.replay_store(store, loaded, None, parallel_from=0)
+    assert whole == []
+    assert judged_again == ([1] if moved == "later before the split" else [])
+    if not judged_again:
+        assert len(order) == report.decisions and order == sorted(order)
+    assert report == in_one_process(store, loaded)
+    store.close()
 
 
 START = datetime(2026, 10, 1, tzinfo=UTC)

@@ -2,27 +2,32 @@
 
 The incidents split in two halves by when they opened: a forked process reads and decides the later
 half again while this one does the earlier, each reading only the cluster's events around its own
-decisions; then this one replays the guardrails over both in time order (medic/policy/replay.py).
+decisions. This one replays the guardrails in time order (medic/policy/replay_report.py): over its
+own decisions made before the later half began while the other still decides, then over the rest.
 Where a decision may have read beyond its half's history, the halves are not the one replay they
 stand for: the replay is made again whole, in this process. Either way the report is the same.
 """
 
 from __future__ import annotations
 
+import heapq
 import multiprocessing
 import os
+from bisect import bisect_left
 from dataclasses import replace
 from datetime import datetime
 from multiprocessing.connection import Connection
+from operator import attrgetter
 
 from medic.policy import LoadedPolicy
 from medic.policy.replay import decided_as_one, redecide, replay
-from medic.policy.replay_report import Redecided, Redecisions, ReplayReport, judge
+from medic.policy.replay_report import Judge, Redecided, Redecisions, ReplayReport, judge
 from medic.store import Store
 
 # Below this many incidents a second process (forked, then handing its decisions back) saves a few
 # tenths of a second at most: not worth the memory of a second copy.
 PARALLEL_FROM = 5_000
+_MADE_AT = attrgetter("decided_at")
 
 
 def replay_store(
@@ -45,6 +50,11 @@ def replay_store(
     send.close()
     earlier = store.replay_history(since=since, until=split.middle, lookback=lookback)
     mine = redecide(earlier, loaded)
+    # The guardrails replayed over this half's decisions made before the later half's incidents
+    # opened, while the other process still decides: those come before every decision of its half.
+    judging = Judge(loaded, earlier.breaker_closed_at)
+    ahead = bisect_left(mine.decisions, split.middle, key=_MADE_AT)
+    judging.take(mine.decisions[:ahead])
     try:
         part, rows = receive.recv()
         later: Redecisions | None = replace(part, decisions=list(map(Redecided._make, rows)))
@@ -53,7 +63,12 @@ def replay_store(
     child.join()
     if later is None or not decided_as_one([mine, later], lookback):
         return replay(store.replay_history(since=since, lookback=lookback), loaded, since)
-    return judge([mine, later], loaded, earlier.breaker_closed_at, since)
+    if later.decisions and later.decisions[0].decided_at < split.middle:
+        # A decision recorded before its incident opened (a replica's clock behind): judged again, all
+        # in order.
+        return judge([mine, later], loaded, earlier.breaker_closed_at, since)
+    judging.take(heapq.merge(mine.decisions[ahead:], later.decisions))
+    return judging.report([mine, later], since)
 
 
 def _decide_later(

@@ -8,10 +8,11 @@ The JSON form of `ReplayReport` is a public contract (docs/policy.md#replay); te
 from __future__ import annotations
 
 import heapq
-from collections import Counter, defaultdict, deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from operator import itemgetter
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
@@ -136,27 +137,118 @@ def judge(
 ) -> ReplayReport:
     """Replay the new policy's guardrails over the decisions made again, all parts together in the
     order the decisions were made, and compare each incident with what was recorded."""
-    fleet = _Fleet(loaded.policy, closed_at)
-    judged: list[tuple[Redecided, Outcome]] = []
-    trips: list[Trip] = []
-    for decided in heapq.merge(*(part.decisions for part in parts)):
-        after, stopped = fleet.apply(decided)
-        if stopped is not None:
-            name, why = stopped
-            trips.append(
-                Trip(
-                    incident=decided.incident,
-                    node=decided.node,
-                    decided_at=decided.decided_at,
-                    guardrail=name,
-                    blocked_action=decided.after.action,
-                    recorded=decided.before.guardrail == name,
-                    reason=why,
-                )
+    judging = Judge(loaded, closed_at)
+    judging.take(heapq.merge(*(part.decisions for part in parts)))
+    return judging.report(parts, since)
+
+
+class Judge:
+    """The new policy's guardrails replayed over decisions made again, taken in the order they were
+    made, each incident compared with its record as soon as its last decision is judged.
+
+    Taken a stretch at a time, so that one process judges the earlier decisions while another still
+    decides the later ones (apps/cli/replay_parallel.py)."""
+
+    def __init__(self, loaded: LoadedPolicy, closed_at: Iterable[datetime]) -> None:
+        self.loaded = loaded
+        self.fleet = _Fleet(loaded.policy, closed_at)
+        self.trips: list[Trip] = []
+        self.decisions = 0
+        # Incidents whose last decision is still to come: the order each first came, its decisions.
+        self.open: dict[str, tuple[int, list[tuple[Redecided, Outcome]]]] = {}
+        self.incidents = 0
+        self.changes: list[tuple[int, ChangedIncident]] = []
+        self.actions: tuple[Counter[str], Counter[str]] = (Counter(), Counter())  # before, after
+        self.rules: tuple[Counter[str], Counter[str]] = (Counter(), Counter())
+        self.taken_out: tuple[Counter[str], Counter[str]] = (Counter(), Counter())
+
+    def take(self, decisions: Iterable[Redecided]) -> None:
+        """Judge these decisions, made after every one taken so far, in the order they were made."""
+        fleet, open_, (taken_before, taken_after) = self.fleet, self.open, self.taken_out
+        for decided in decisions:
+            after, stopped = fleet.apply(decided)
+            if stopped is not None:
+                self.trips.append(_trip(decided, *stopped))
+            its = open_.get(decided.incident)
+            if its is None:
+                its = open_[decided.incident] = (self.incidents, [])
+                self.incidents += 1
+            its[1].append((decided, after))
+            before = decided.before
+            if _acted(decided.last, before) and takes_node_out(before):
+                taken_before[decided.node] += 1
+            if _acted(decided.last, after) and takes_node_out(after):
+                taken_after[decided.node] += 1
+            if decided.last:
+                self._close(decided.incident)
+            self.decisions += 1
+
+    def report(self, parts: Sequence[Redecisions], since: datetime | None) -> ReplayReport:
+        """The report on every decision taken, those of `parts` (which count what they rebuilt and
+        skipped)."""
+        for incident in list(self.open):  # whose last decision was skipped: its events are gone
+            self._close(incident)
+        before, after = self.taken_out
+        nodes = [
+            NodeChange(node=n, taken_out_before=before[n], taken_out_after=after[n])
+            for n in sorted(before.keys() | after.keys())
+            if before[n] != after[n]
+        ]
+        nodes.sort(key=lambda c: -abs(c.taken_out_after - c.taken_out_before))
+        self.changes.sort(key=itemgetter(0))
+        return ReplayReport(
+            policy=self.loaded.path,
+            policy_sha256=self.loaded.sha256,
+            since=since,
+            incidents=self.incidents,
+            decisions=self.decisions,
+            rebuilt=sum(part.rebuilt for part in parts),
+            skipped=sum(part.skipped for part in parts),
+            changed=len(self.changes),
+            actions=_counts(*self.actions),
+            rules=_counts(*self.rules),
+            changes=[change for _, change in self.changes],
+            nodes=nodes,
+            guardrails=self.trips,
+        )
+
+    def _close(self, incident: str) -> None:
+        """Count an incident whose decisions have all been judged, and compare it with its record."""
+        order, its = self.open.pop(incident)
+        final, after = its[-1]
+        self.actions[0][final.before.action.value] += 1
+        self.actions[1][after.action.value] += 1
+        self.rules[0][final.before.rule] += 1
+        self.rules[1][after.rule] += 1
+        if all(d.before.action is a.action and d.before.diagnose_level == a.diagnose_level for d, a in its):
+            return  # the same steps, as most incidents' are
+        steps_before = _steps(decided.before for decided, _ in its)
+        steps_after = _steps(outcome for _, outcome in its)
+        if steps_before != steps_after:
+            change = ChangedIncident(
+                incident=incident,
+                node=final.node,
+                decided_at=final.decided_at,
+                before=final.before,
+                after=after,
+                steps_before=steps_before,
+                steps_after=steps_after,
+                command=f"medic incident {incident}",
+                flow_run_id=final.flow_run_id,
             )
-        judged.append((decided, after))
-    rebuilt = sum(part.rebuilt for part in parts)
-    return _report(judged, trips, loaded, since, rebuilt, sum(part.skipped for part in parts))
+            self.changes.append((order, change))
+
+
+def _trip(decided: Redecided, guardrail: str, why: str) -> Trip:
+    return Trip(
+        incident=decided.incident,
+        node=decided.node,
+        decided_at=decided.decided_at,
+        guardrail=guardrail,
+        blocked_action=decided.after.action,
+        recorded=decided.before.guardrail == guardrail,
+        reason=why,
+    )
 
 
 def _acted(last: bool, decision: Acting) -> bool:
@@ -227,85 +319,6 @@ def _steps(decisions: Iterable[Acting]) -> list[str]:
         if not labels or labels[-1] != label:
             labels.append(label)
     return labels
-
-
-def _report(
-    judged: Iterable[tuple[Redecided, Outcome]],
-    trips: list[Trip],
-    loaded: LoadedPolicy,
-    since: datetime | None,
-    rebuilt: int,
-    skipped: int,
-) -> ReplayReport:
-    by_incident: dict[str, list[tuple[Redecided, Outcome]]] = defaultdict(list)
-    taken_before: Counter[str] = Counter()
-    taken_after: Counter[str] = Counter()
-    decisions = 0
-    for pair in judged:
-        decided, after = pair
-        decisions += 1
-        by_incident[decided.incident].append(pair)
-        before = decided.before
-        if _acted(decided.last, before) and takes_node_out(before):
-            taken_before[decided.node] += 1
-        if _acted(decided.last, after) and takes_node_out(after):
-            taken_after[decided.node] += 1
-    finals = [its[-1] for its in by_incident.values()]
-    actions_before, rules_before = _tally([final.before for final, _ in finals])
-    actions_after, rules_after = _tally([after for _, after in finals])
-    changes: list[ChangedIncident] = []
-    for (incident, its), (final, after) in zip(by_incident.items(), finals, strict=True):
-        if all(d.before.action is a.action and d.before.diagnose_level == a.diagnose_level for d, a in its):
-            continue  # the same steps, as most incidents' are
-        steps_before = _steps(decided.before for decided, _ in its)
-        steps_after = _steps(outcome for _, outcome in its)
-        if steps_before != steps_after:
-            changes.append(
-                ChangedIncident(
-                    incident=incident,
-                    node=final.node,
-                    decided_at=final.decided_at,
-                    before=final.before,
-                    after=after,
-                    steps_before=steps_before,
-                    steps_after=steps_after,
-                    command=f"medic incident {incident}",
-                    flow_run_id=final.flow_run_id,
-                )
-            )
-    nodes = [
-        NodeChange(node=n, taken_out_before=taken_before[n], taken_out_after=taken_after[n])
-        for n in sorted(taken_before.keys() | taken_after.keys())
-        if taken_before[n] != taken_after[n]
-    ]
-    nodes.sort(key=lambda c: -abs(c.taken_out_after - c.taken_out_before))
-    return ReplayReport(
-        policy=loaded.path,
-        policy_sha256=loaded.sha256,
-        since=since,
-        incidents=len(by_incident),
-        decisions=decisions,
-        rebuilt=rebuilt,
-        skipped=skipped,
-        changed=len(changes),
-        actions=_counts(actions_before, actions_after),
-        rules=_counts(rules_before, rules_after),
-        changes=changes,
-        nodes=nodes,
-        guardrails=trips,
-    )
-
-
-def _tally(outcomes: list[Outcome]) -> tuple[Counter[str], Counter[str]]:
-    """How many of the outcomes have each action, and each rule. Counted by object first: decisions
-    share a few outcome objects, and a replay has hundreds of thousands of incidents."""
-    objects = dict(zip(map(id, outcomes), outcomes, strict=True))
-    actions: Counter[str] = Counter()
-    rules: Counter[str] = Counter()
-    for key, n in Counter(map(id, outcomes)).items():
-        actions[objects[key].action.value] += n
-        rules[objects[key].rule] += n
-    return actions, rules
 
 
 def _counts(before: Counter[str], after: Counter[str]) -> dict[str, Count]:
