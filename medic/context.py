@@ -13,11 +13,79 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from datetime import datetime
 from operator import attrgetter
+from types import MappingProxyType
+from typing import Any, NamedTuple, Protocol
 
 from medic.events import EventKind, FaultEvent
 
 
-def index_keys(event: FaultEvent) -> list[tuple[Hashable, ...]]:
+class Seen(Protocol):
+    """What cross-node conditions read of an event in the context (medic/policy/engine.py)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def time(self) -> datetime: ...
+    @property
+    def kind(self) -> EventKind: ...
+    @property
+    def node(self) -> str: ...
+    @property
+    def gpu(self) -> int | None: ...
+    @property
+    def job(self) -> str | None: ...
+    @property
+    def switch(self) -> str | None: ...
+    @property
+    def iteration(self) -> int | None: ...
+    @property
+    def rank(self) -> int | None: ...
+    @property
+    def attributes(self) -> Mapping[str, Any]: ...
+
+
+class Trace(NamedTuple):
+    """An event as a stream's context keeps it: what cross-node conditions read, and no more. A
+    stream holds a day of the cluster's events for its counts; a whole event (its source, message and
+    attributes) costs several times as much (BENCHMARKS.md, section 2a)."""
+
+    id: str
+    time: datetime
+    kind: EventKind
+    node: str
+    gpu: int | None
+    job: str | None
+    switch: str | None
+    iteration: int | None
+    rank: int | None
+    attributes: Mapping[str, Any]  # an XID's code, which conditions match; nothing else
+
+
+_NOTHING: Mapping[str, Any] = MappingProxyType({})
+_CODES: dict[Any, Mapping[str, Any]] = {}  # one mapping per XID code, shared by its traces
+
+
+def trace(event: FaultEvent) -> Trace:
+    """The event as a stream's context keeps it."""
+    attributes = _NOTHING
+    if event.kind is EventKind.XID:
+        code = event.attributes.get("code")
+        attributes = _CODES.get(code) or _CODES.setdefault(code, MappingProxyType({"code": code}))
+    return Trace(
+        event.id,
+        event.time,
+        event.kind,
+        event.node,
+        event.gpu,
+        event.job,
+        event.switch,
+        event.iteration,
+        event.rank,
+        attributes,
+    )
+
+
+def index_keys(event: Seen) -> list[tuple[Hashable, ...]]:
     """The index entries an event is in: its kind, and its kind with each scope it has a key for
     (its node, job, switch, and (iteration, rank) `mark`)."""
     # Spelled out, not looped over the scopes: every event of a replay's weeks is indexed.
@@ -79,7 +147,7 @@ class Context:
         end: datetime,
         scope: str | None = None,
         key: Hashable | None = None,
-    ) -> Iterator[FaultEvent]:
+    ) -> Iterator[Seen]:
         """Events of these kinds with start <= time <= end, optionally only those of one node,
         job, switch or (iteration, rank) `mark`."""
         for kind in kinds:

@@ -27,7 +27,7 @@ from typing import IO, Literal
 from pydantic import BaseModel, ConfigDict
 
 from medic.ageing import PastIncident
-from medic.context import Context, index_keys
+from medic.context import Context, Seen, Trace, index_keys, trace
 from medic.culprit import Differential
 from medic.errors import MedicError
 from medic.events import EventKind, FaultEvent
@@ -296,33 +296,35 @@ def _lookbacks(policy: Policy) -> dict[EventKind, timedelta]:
 class _Series:
     """The events of one index entry, in time order, with their times (microseconds) to bisect."""
 
-    events: list[FaultEvent] = field(default_factory=list)
+    events: list[Trace] = field(default_factory=list)
     times: list[int] = field(default_factory=list)
 
 
 class _Recent(Context):
     """The context of a stream: events added in time order, dropped once no decision to come can
-    look back at them. Only the kinds some condition counts are kept (no other is ever asked for).
-    Indexed as `Context` indexes (by kind, and by kind and node, job, switch or mark)."""
+    look back at them. Only the kinds some condition counts are kept (no other is ever asked for),
+    each event as a `Trace` of what those conditions read. Indexed as `Context` indexes (by kind, and
+    by kind and node, job, switch or mark)."""
 
     def __init__(self, lookbacks: dict[EventKind, timedelta], fleet_size: int | None) -> None:
         super().__init__(fleet_size=fleet_size)
         self._lookbacks = lookbacks
         self._index: dict[tuple[Hashable, ...], _Series] = {}
-        self._arrivals: dict[EventKind, deque[tuple[int, FaultEvent]]] = {}  # in time order, per kind
+        self._arrivals: dict[EventKind, deque[tuple[int, Trace]]] = {}  # in time order, per kind
         self.entries = 0  # events held, counted once per index entry they are in
 
     def add(self, event: FaultEvent, at: int) -> None:
         if event.kind not in self._lookbacks:
             return
-        for series_key in index_keys(event):
+        kept = trace(event)
+        for series_key in index_keys(kept):
             series = self._index.get(series_key)
             if series is None:
                 series = self._index[series_key] = _Series()
-            series.events.append(event)
+            series.events.append(kept)
             series.times.append(at)
             self.entries += 1
-        self._arrivals.setdefault(event.kind, deque()).append((at, event))
+        self._arrivals.setdefault(event.kind, deque()).append((at, kept))
 
     def window(
         self,
@@ -331,7 +333,7 @@ class _Recent(Context):
         end: datetime,
         scope: str | None = None,
         key: Hashable | None = None,
-    ) -> Iterator[FaultEvent]:
+    ) -> Iterator[Seen]:
         low, high = _micros(start), _micros(end)
         for kind in kinds:
             series = self._index.get((kind,) if scope is None else (kind, scope, key))

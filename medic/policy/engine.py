@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from medic import xid as xid_catalog
+from medic.context import Seen
 from medic.events import EventKind, FaultEvent
 from medic.facts import Facts
 from medic.policy.model import (
@@ -164,7 +165,7 @@ def window(f: Facts, within: timedelta) -> tuple[datetime, datetime]:
     return end - within, end
 
 
-def _has_signature(sig: Signature, event: FaultEvent) -> bool:
+def _has_signature(sig: Signature, event: Seen) -> bool:
     if event.kind is EventKind.XID and sig.xid:
         return event.attributes["code"] in sig.xid
     return event.kind in (sig.kinds or ())
@@ -179,7 +180,7 @@ def _counted(cond: CountCondition, f: Facts, kinds: tuple[EventKind, ...]) -> in
     start, end = window(f, timedelta(minutes=cond.within_minutes))
     if len(anchors) + f.context.count(kinds, start, end) < cond.at_least:
         return 0  # not enough events of these kinds at all: skip the careful count
-    pool = {e.id: e for e in anchors if start <= e.time <= end}
+    pool: dict[str, Seen] = {e.id: e for e in anchors if start <= e.time <= end}
     for scope, key in _lookups(cond, f, anchors):
         pool.update(
             (e.id, e) for e in f.context.window(kinds, start, end, scope, key) if _has_signature(cond, e)
