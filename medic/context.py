@@ -12,6 +12,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from datetime import datetime
+from functools import cache
 from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
@@ -62,15 +63,16 @@ class Trace(NamedTuple):
 
 
 _NOTHING: Mapping[str, Any] = MappingProxyType({})
-_CODES: dict[Any, Mapping[str, Any]] = {}  # one mapping per XID code, shared by its traces
+
+
+@cache  # one mapping per XID code (a thousand at most), shared by its traces
+def _xid_code(code: int) -> Mapping[str, Any]:
+    return MappingProxyType({"code": code})
 
 
 def trace(event: FaultEvent) -> Trace:
     """The event as a stream's context keeps it."""
-    attributes = _NOTHING
-    if event.kind is EventKind.XID:
-        code = event.attributes.get("code")
-        attributes = _CODES.get(code) or _CODES.setdefault(code, MappingProxyType({"code": code}))
+    attributes = _xid_code(event.attributes["code"]) if event.kind is EventKind.XID else _NOTHING
     return Trace(
         event.id,
         event.time,
