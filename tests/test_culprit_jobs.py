@@ -36,7 +36,9 @@ COMMON = (
     "--ckpt-every=1000",  # no checkpoint: these runs are about timing
     f"--timings-every={EVERY}",
     f"--node-of-rank={NODES}",
-    "--step-work-s=0.02",
+    # Above the hooks' 20 ms floor for a slowdown (medic_hooks.Slowdown.min_step_s): at it, whether a
+    # rank's own steps count as slowed turned on timer noise.
+    "--step-work-s=0.03",
 )
 HANG_RANK, HANG_AT = 3, 12
 
