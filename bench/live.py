@@ -70,9 +70,9 @@ def serve(port: int, nodes: int, per_switch: int, policy: Path) -> None:
 
     backends, _ = registry.simulated(SimFleet.build(nodes=nodes, per_switch=per_switch))
     rt = configure(Runtime(Store(os.environ["MEDIC_DATABASE_URL"]), backends, policy))
-    dispatcher = LiveDispatcher(rt)
-    dispatcher.warm_up_in_background()
-    run_server(port=port, on_accepted=dispatcher, log_level="warning", access_log=False)
+    with LiveDispatcher(rt) as dispatcher:
+        dispatcher.warm_up_in_background()
+        run_server(port=port, on_accepted=dispatcher, log_level="warning", access_log=False)
 
 
 def _env(directory: Path, prefect_api: str | None) -> dict[str, str]:

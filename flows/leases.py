@@ -109,7 +109,12 @@ class Leases:
             return set(self._held)
 
     def close(self) -> None:
+        """Stop renewing. What is still held lapses within a lease, for a replica's pickup."""
         self._stop.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout=self.lease_s / 3)
 
     def _renew(self) -> None:
         """Renew what is held; the thread ends when nothing is (and `hold` starts another)."""

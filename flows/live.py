@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, Self
 
 import anyio
 
@@ -132,6 +132,17 @@ class LiveDispatcher:
         """Wait for held events and the flow runs started so far (tests, shutdown)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def close(self) -> None:
+        """Stop renewing this process's leases (at shutdown): what is still held lapses for a
+        replica's pickup instead of being renewed by a process that no longer runs it."""
+        self.leases.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
     def _spawn(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
         task = asyncio.create_task(work())

@@ -7,8 +7,9 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from sqlalchemy.exc import OperationalError
@@ -27,6 +28,10 @@ from integrations.sim.fleet import SimFleet
 from medic.config import REPO_ROOT
 from medic.store import Store
 from tasks.runtime import Runtime, configure
+
+if TYPE_CHECKING:
+    from flows.leases import Leases
+    from flows.live import LiveDispatcher
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "MEDIC_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -60,6 +65,23 @@ def prefect_server(
             "PREFECT_API_URL": api,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         }
+
+
+@pytest.fixture
+def live_dispatcher() -> Iterator[Callable[..., LiveDispatcher]]:
+    """Makes the warm path's dispatchers, closed after the test: a lease still held would be
+    renewed from a thread of this process against a store the test has dropped."""
+    from flows.live import LiveDispatcher
+
+    made: list[LiveDispatcher] = []
+
+    def make(rt: Runtime, leases: Leases | None = None) -> LiveDispatcher:
+        made.append(LiveDispatcher(rt, leases))
+        return made[-1]
+
+    yield make
+    for dispatcher in made:
+        dispatcher.close()
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,10 @@ def with_policy(store: Store, backends: Backends, tmp_path: Path, old: str, new:
     return configure(Runtime(store, backends, policy))
 
 
-def test_the_service_drains_the_node_before_its_flow_run_starts(runtime: Runtime, fleet: SimFleet) -> None:
-    app = create_app(runtime.store, tokens={TOKEN}, hmac_secret=None, on_accepted=LiveDispatcher(runtime))
+def test_the_service_drains_the_node_before_its_flow_run_starts(
+    runtime: Runtime, fleet: SimFleet, live_dispatcher: Callable[..., LiveDispatcher]
+) -> None:
+    app = create_app(runtime.store, tokens={TOKEN}, hmac_secret=None, on_accepted=live_dispatcher(runtime))
     with TestClient(app) as client:
         body = event_dict(id="contain-live", node="gpu-node-3", at=datetime.now(UTC))  # XID 79: reboot
         assert client.post("/v1/events", json=body, headers={"Authorization": f"Bearer {TOKEN}"}).is_success

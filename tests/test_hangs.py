@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -314,10 +315,10 @@ def test_a_loop_that_reports_no_collectives_sends_no_position(tmp_path: Path) ->
 
 
 def test_the_live_path_stores_and_hands_on_the_culprit_once_the_reports_settle(
-    sqlite_store: Store, sim_backends: Backends
+    sqlite_store: Store, sim_backends: Backends, live_dispatcher: Callable[..., LiveDispatcher]
 ) -> None:
     rt = configure(Runtime(sqlite_store, sim_backends, REPO_ROOT / "policies" / "default.yaml"))
-    dispatcher = LiveDispatcher(rt)
+    dispatcher = live_dispatcher(rt)
     dispatcher.differential = Differential(settle=timedelta(seconds=0.5))
     handed: list[FaultEvent] = []
 

@@ -13,6 +13,8 @@ import multiprocessing.synchronize
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -168,6 +170,31 @@ def test_a_runner_of_this_host_and_role_whose_process_is_gone_is_dead(store: Sto
     me.close()
 
 
+def test_a_closed_dispatcher_stops_renewing_and_its_incident_lapses_for_a_replica(runtime: Runtime) -> None:
+    store = runtime.store
+    event = fault_event(node="gpu-node-7", id="c-1")
+    store.record_accepted([event])
+    lease_s = 1.5
+    mine = Leases(store, "here:serve-1:1", lease_s=lease_s)
+    store.open_or_join(incident(event, id="inc-c"), runner=mine.runner, lease_s=lease_s)
+    mine.hold("inc-c")
+
+    def lease_until() -> object:
+        return store.get_incident("inc-c").lease_until  # type: ignore[union-attr]
+
+    first = lease_until()
+    time.sleep(lease_s)  # more than one renewal (every third of a lease)
+    renewed = lease_until()
+    assert renewed != first  # held: renewed while the run goes on
+    assert not store.claim_incident("inc-c", "there:serve-2:2", lease_s=lease_s)
+
+    started = time.monotonic()
+    LiveDispatcher(runtime, mine).close()
+    assert time.monotonic() - started < lease_s  # it waits for the renewer to end, no longer
+    time.sleep(lease_s * 1.5)
+    assert store.claim_incident("inc-c", "there:serve-2:2", lease_s=lease_s)  # lapsed: a replica takes it
+
+
 def _run_died(runtime: Runtime, incident_id: str, event: FaultEvent) -> None:
     """An incident opened and remediating on another host, whose process died: its lease lapsed."""
     runtime.store.record_accepted([event])
@@ -179,9 +206,11 @@ def _run_died(runtime: Runtime, incident_id: str, event: FaultEvent) -> None:
     )
 
 
-def test_an_incident_whose_run_died_is_picked_up_and_finished(runtime: Runtime) -> None:
+def test_an_incident_whose_run_died_is_picked_up_and_finished(
+    runtime: Runtime, live_dispatcher: Callable[..., LiveDispatcher]
+) -> None:
     _run_died(runtime, "inc-p", fault_event(kind="xid", node="gpu-node-5", id="p-1"))
-    dispatcher = LiveDispatcher(runtime, Leases(runtime.store, runner_name("serve-7002")))
+    dispatcher = live_dispatcher(runtime, Leases(runtime.store, runner_name("serve-7002")))
 
     async def pick_up() -> int:
         found = await dispatcher.pickup()
@@ -216,9 +245,11 @@ def test_a_store_written_by_an_earlier_release_gains_the_lease_columns(tmp_path:
     store.close()
 
 
-def test_a_new_fault_on_a_node_whose_run_died_claims_its_incident(runtime: Runtime) -> None:
+def test_a_new_fault_on_a_node_whose_run_died_claims_its_incident(
+    runtime: Runtime, live_dispatcher: Callable[..., LiveDispatcher]
+) -> None:
     _run_died(runtime, "inc-n", fault_event(kind="xid", node="gpu-node-6", id="n-1"))
-    dispatcher = LiveDispatcher(runtime, Leases(runtime.store, runner_name("serve-7003")))
+    dispatcher = live_dispatcher(runtime, Leases(runtime.store, runner_name("serve-7003")))
     second = fault_event(kind="xid", node="gpu-node-6", id="n-2", minutes=1)
     runtime.store.record_accepted([second])
 

@@ -61,12 +61,14 @@ def closed(rt: Runtime, node: str) -> Callable[[], IncidentRecord | None]:
 
 
 @pytest.fixture
-def client_for(runtime: Runtime) -> Iterator[Callable[..., TestClient]]:
+def client_for(
+    runtime: Runtime, live_dispatcher: Callable[..., LiveDispatcher]
+) -> Iterator[Callable[..., TestClient]]:
     clients: list[TestClient] = []
 
     def build(slack: SlackCallbacks | None = None) -> TestClient:
         app = create_app(
-            runtime.store, tokens={TOKEN}, hmac_secret=None, on_accepted=LiveDispatcher(runtime), slack=slack
+            runtime.store, tokens={TOKEN}, hmac_secret=None, on_accepted=live_dispatcher(runtime), slack=slack
         )
         client = TestClient(app)
         client.__enter__()
@@ -89,8 +91,10 @@ def test_a_posted_fault_is_remediated_in_process(runtime: Runtime, fleet: SimFle
     assert fleet.nodes["gpu-node-1"].boots == 1
 
 
-def test_new_evidence_joins_the_incident_being_handled(runtime: Runtime) -> None:
-    dispatcher = LiveDispatcher(runtime)
+def test_new_evidence_joins_the_incident_being_handled(
+    runtime: Runtime, live_dispatcher: Callable[..., LiveDispatcher]
+) -> None:
+    dispatcher = live_dispatcher(runtime)
     first = event("join-1", "gpu-node-2", code=48)
     runtime.store.record_accepted([first])
     (incident,) = dispatcher._correlate([first])
@@ -102,7 +106,11 @@ def test_new_evidence_joins_the_incident_being_handled(runtime: Runtime) -> None
 
 
 def test_a_switch_storm_is_one_incident_and_touches_no_node(
-    store: Store, sim_backends: Backends, fleet: SimFleet, tmp_path: Path
+    store: Store,
+    sim_backends: Backends,
+    fleet: SimFleet,
+    tmp_path: Path,
+    live_dispatcher: Callable[..., LiveDispatcher],
 ) -> None:
     policy = tmp_path / "policy.yaml"
     policy.write_text(
@@ -117,7 +125,7 @@ def test_a_switch_storm_is_one_incident_and_touches_no_node(
         for k in range(5)
         for node in under_leaf_1
     ]
-    dispatcher = LiveDispatcher(rt)
+    dispatcher = live_dispatcher(rt)
 
     async def arrive() -> None:
         for batch in (storm[:3], storm[3:10], storm[10:]):  # the first node reports alone

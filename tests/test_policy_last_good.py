@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -36,7 +37,11 @@ def scrape(client: TestClient) -> dict[str, str]:
 
 
 def test_a_broken_edit_keeps_the_last_good_policy_and_says_so_once(
-    sqlite_store: Store, sim_backends: Backends, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    sqlite_store: Store,
+    sim_backends: Backends,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    live_dispatcher: Callable[..., LiveDispatcher],
 ) -> None:
     policy = tmp_path / "policy.yaml"
     shutil.copy(REPO_ROOT / "policies" / "default.yaml", policy)
@@ -44,7 +49,7 @@ def test_a_broken_edit_keeps_the_last_good_policy_and_says_so_once(
     rt = configure(Runtime(sqlite_store, sim_backends, policy))
     notifier = rt.backends.notifier
     assert isinstance(notifier, RecordingNotifier)
-    app = create_app(sqlite_store, tokens={TOKEN}, hmac_secret=None, on_accepted=LiveDispatcher(rt))
+    app = create_app(sqlite_store, tokens={TOKEN}, hmac_secret=None, on_accepted=live_dispatcher(rt))
     caplog.set_level(logging.INFO, logger="medic.runtime")
 
     def fault(node: str, kind: str = "xid", action: str = "reboot") -> str:

@@ -74,6 +74,8 @@ def serve(
     except ServeConfigError as error:
         err.print(f"[red]error:[/red] {escape(str(error))}")
         raise typer.Exit(2) from None
+    finally:
+        dispatcher.close()
 
 
 def _remediation(dispatch: Dispatch, port: int) -> tuple[LiveDispatcher, SlackCallbacks]:
