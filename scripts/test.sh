@@ -36,4 +36,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED=false
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports --no-cache  # the layers (pyproject.toml, docs/architecture.md)
 .venv/bin/mypy  # the domain's types
-exec .venv/bin/pytest "$@"
+# Two workers, each taking whole files (a file's fixtures, its Slurm cluster or Prefect server, stay
+# in one process): most of the suite's time is system tests waiting on their services, so the two
+# halve it on two cores (MEDIC_TEST_WORKERS=0 runs it in this process).
+exec .venv/bin/pytest -n "${MEDIC_TEST_WORKERS:-2}" --dist loadfile "$@"

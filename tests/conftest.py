@@ -21,6 +21,11 @@ os.environ["MEDIC_BACKENDS"] = "sim"
 # The reference job's runs here mean CPU and gloo, even on a machine with a GPU; one that means the
 # GPU says TRAIN_DEVICE=cuda (or auto).
 os.environ.setdefault("TRAIN_DEVICE", "cpu")
+# The CLI's consoles take their width from COLUMNS when they are made, at import: set then (as by
+# pytest-xdist's workers, to 80) it would fold the ids and rules that the CLI tests look for. Unset,
+# each test's own COLUMNS applies.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 from integrations import registry
 from integrations.registry import Backends
