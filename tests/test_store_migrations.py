@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.synchronize
+import subprocess
+import sys
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -15,13 +17,14 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from audit_support import sql, work_incident
 from sqlalchemy import create_engine, text
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, SQLModel
 
 from medic.store import Store, utcnow
-from medic.store.migrate import VERSION_TABLE, SchemaError, head
+from medic.store.migrate import HEAD, SCRIPTS, VERSION_TABLE, SchemaError
 from medic.store.migrations import baseline
 from medic.store.tables import (
     ActionRecord,
@@ -112,7 +115,7 @@ def test_a_store_of_the_previous_release_is_upgraded_sealed_and_chains_on(empty_
 
     store = Store(empty_url)
 
-    assert sql(store, f"SELECT version_num FROM {VERSION_TABLE}") == head()
+    assert sql(store, f"SELECT version_num FROM {VERSION_TABLE}") == HEAD
     sealed = store.verify_chain()
     assert sealed.ok, [p.describe() for p in sealed.problems]
     assert sealed.entries == sealed.rows == written
@@ -156,6 +159,26 @@ def test_opening_a_migrated_store_again_changes_nothing(empty_url: str) -> None:
     store.close()
 
 
+def test_the_named_head_is_the_newest_revision() -> None:
+    assert ScriptDirectory(str(SCRIPTS)).get_current_head() == HEAD
+
+
+def test_a_migrated_store_opens_without_loading_alembic(empty_url: str) -> None:
+    Store(empty_url).close()
+    opened = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from medic.store import Store; Store(sys.argv[1]).close(); print('alembic' in sys.modules)",
+            empty_url,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert opened.stdout.split() == ["False"]
+
+
 def test_a_store_newer_than_this_release_is_refused(empty_url: str) -> None:
     Store(empty_url).close()
     engine = create_engine(empty_url)
@@ -181,7 +204,7 @@ def test_replicas_opening_an_empty_store_at_once_migrate_it_once(empty_url: str)
         opener.join(120)
         assert opener.exitcode == 0
     store = Store(empty_url)
-    assert sql(store, f"SELECT version_num FROM {VERSION_TABLE}") == head()
+    assert sql(store, f"SELECT version_num FROM {VERSION_TABLE}") == HEAD
     store.close()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
-from alembic import op
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -228,6 +227,8 @@ Table(
 def bring_up(connection: Connection) -> None:
     """Create the tables a store lacks, and the nullable columns and indexes its tables lack (in a
     migration: `op` adds the columns)."""
+    from alembic import op  # not at the top: a store already migrated opens without alembic
+
     METADATA.create_all(connection)
     found = inspect(connection)
     for table in METADATA.sorted_tables:
