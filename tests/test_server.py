@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -844,7 +845,11 @@ def server_process(
         yield process
     finally:
         if process.poll() is None:
-            process.kill()
+            process.terminate()  # not SIGKILL: its embedded Prefect server would outlive it
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
         process.wait(timeout=10)
 
 
@@ -879,10 +884,7 @@ def children(pid: int) -> set[int]:
 def test_sigterm_stops_the_service_and_its_embedded_prefect_server(tmp_path: Path) -> None:
     home = {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": ""}
     with server_process(tmp_path / "medic.db", free_port(), home) as process:
-        deadline = time.monotonic() + 90
-        while not (embedded := children(process.pid)):  # the warm-up starts it in the background
-            assert time.monotonic() < deadline, "the embedded Prefect server never started"
-            time.sleep(0.2)
+        embedded = embedded_server(process)
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM  # a clean exit, atexit hooks run
@@ -890,6 +892,37 @@ def test_sigterm_stops_the_service_and_its_embedded_prefect_server(tmp_path: Pat
     while alive := {pid for pid in embedded if Path(f"/proc/{pid}").exists()}:
         assert time.monotonic() < deadline, f"the embedded Prefect server outlived medic serve: {alive}"
         time.sleep(0.2)
+
+
+def embedded_server(process: subprocess.Popen[bytes]) -> set[int]:
+    deadline = time.monotonic() + 90
+    while not (embedded := children(process.pid)):  # the warm-up starts it in the background
+        assert time.monotonic() < deadline, "the embedded Prefect server never started"
+        time.sleep(0.2)
+    return embedded
+
+
+def test_an_embedded_prefect_server_left_by_kill_9_is_ended_by_the_next_start(tmp_path: Path) -> None:
+    home = {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": ""}
+    database, port = tmp_path / "medic.db", free_port()
+    with server_process(database, port, home) as process:
+        (left,) = embedded_server(process)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+    time.sleep(1)
+    assert Path(f"/proc/{left}").exists()  # nothing ended it: it serves Prefect's database for nobody
+    try:
+        with server_process(database, port, home) as restarted:
+            assert embedded_server(restarted).isdisjoint({left})
+            deadline = time.monotonic() + 30
+            while Path(f"/proc/{left}").exists():
+                assert time.monotonic() < deadline, "the restart left its predecessor's Prefect server"
+                time.sleep(0.2)
+            restarted.send_signal(signal.SIGTERM)
+            restarted.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(left, signal.SIGKILL)
 
 
 def cli() -> typer.Typer:

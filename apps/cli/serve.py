@@ -17,7 +17,7 @@ import typer
 from rich.markup import escape
 
 from apps.cli._common import err
-from apps.server import DEFAULT_HOST, DEFAULT_PORT
+from apps.server import DEFAULT_HOST, DEFAULT_PORT, embedded
 from apps.server.emit import DEFAULT_URL, TOKEN_ENV, URL_ENV, build_event, parse_attribute, post_events
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ def serve(
         # An embedded Prefect server has no workers: every incident would wait forever.
         err.print("[red]error:[/red] --dispatch prefect needs PREFECT_API_URL: the server the workers poll")
         raise typer.Exit(2)
+    embedded.claim()  # before the warm-up starts this service's own embedded server
     dispatcher, slack = _remediation(dispatch, port)
     policy = dispatcher.rt.policy_status()
     if policy.sha256 is None:
