@@ -16,7 +16,7 @@ import os
 import signal
 from pathlib import Path
 
-from integrations.processes import running, start_time, wait_gone
+from integrations.processes import kill, running, start_time, wait_gone
 
 log = logging.getLogger("medic.serve")
 
@@ -27,21 +27,19 @@ _EPHEMERAL = b"PREFECT__SERVER_EPHEMERAL=1"
 _GRACE_S = 5.0
 
 
-def claim() -> list[int]:
+def claim() -> None:
     """Mark the embedded server this process may start as its own, and end those left by a
-    service that is gone (SIGTERM, then SIGKILL after a grace); returns the pids ended."""
+    service that is gone (SIGTERM, then SIGKILL after a grace)."""
     me = os.getpid()
     os.environ[OWNER_ENV] = f"{me}:{start_time(me)}"
-    left = {pid: started for pid, started in _orphans()}
+    left = dict(_orphans())
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     for pid in wait_gone(left, _GRACE_S):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        kill(pid, left[pid])
     for pid in left:
         log.warning("ended Prefect's embedded server (pid %d) left by a medic serve that is gone", pid)
-    return list(left)
 
 
 def _orphans() -> list[tuple[int, int]]:
