@@ -39,8 +39,8 @@ TARGET_CPU_PCT = 0.5
 TARGET_RSS_MB = 80.0
 CLOCK_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 LEAN = ["-m", "apps.cli.agent"]
-# What `medic agent` loads once the command is registered in apps/cli/app.py: the whole CLI first.
-FULL_CLI = ["-c", "import apps.cli.app, runpy; runpy.run_module('apps.cli.agent', run_name='__main__')"]
+# `medic agent` as the console script runs it: apps/cli/app.py's `main`, which loads that command alone.
+MEDIC_AGENT = ["-c", "import sys; from apps.cli.app import main; sys.argv[1:1] = ['agent']; main()"]
 
 
 def _cpu_s(pid: int) -> float:
@@ -109,7 +109,7 @@ def run() -> dict[str, Any]:
             ("polling", LEAN, POLL_S, MEASURE_S),
             ("fast", LEAN, FAST_POLL_S, SHORT_MEASURE_S),
             ("idle", LEAN, 3600.0, SHORT_MEASURE_S),
-            ("full_cli", FULL_CLI, POLL_S, SHORT_MEASURE_S),
+            ("medic_agent", MEDIC_AGENT, POLL_S, SHORT_MEASURE_S),
         ]:
             workdir = root / name
             workdir.mkdir()
@@ -128,7 +128,7 @@ def run() -> dict[str, Any]:
 
 
 def section(results: dict[str, Any]) -> str:
-    polling, full = results["polling"], results["full_cli"]
+    polling, full = results["polling"], results["medic_agent"]
     at_15 = results["cpu_pct_at_15s"]
     rss = max(polling["peak_mb"], results["idle"]["peak_mb"])
     rows = [
@@ -154,7 +154,11 @@ def section(results: dict[str, Any]) -> str:
             f"{num(rss)} MB",
             f"< {TARGET_RSS_MB:g} MB: {'met' if rss < TARGET_RSS_MB else 'MISSED'}",
         ),
-        ("RSS, `medic agent` (whole CLI loaded; peak)", f"{num(full['peak_mb'])} MB", ""),
+        (
+            "RSS, `medic agent` (peak)",
+            f"{num(full['peak_mb'])} MB",
+            f"< {TARGET_RSS_MB:g} MB: {'met' if full['peak_mb'] < TARGET_RSS_MB else 'MISSED'}",
+        ),
         ("start to first NVML read", f"{num(polling['ready_s'])} s", ""),
     ]
     return "\n".join(

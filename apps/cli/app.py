@@ -1,64 +1,86 @@
-"""The `medic` command line (docs/cli.md): the root app; each command family has its own module."""
+"""The `medic` command line (docs/cli.md): the root app; each command family has its own module.
+
+`medic COMMAND` imports that command's module and no other: the families together pull in Prefect's
+client, httpx, the report's HTML and the simulator, which would add a second to every command's start
+(BENCHMARKS.md). The root's help, or a name that is no command, registers them all.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+from collections.abc import Iterable
+from functools import cache
+from typing import Any
 
 import typer
 
 from apps.cli._common import err
-from apps.cli.advise import advise_app
-from apps.cli.agent import agent
-from apps.cli.audit import audit_app
-from apps.cli.breaker import breaker_app
-from apps.cli.check import check_app
-from apps.cli.dcgm import dcgm_app
-from apps.cli.demo import demo
-from apps.cli.doctor import doctor
-from apps.cli.fleet import fleet_app
-from apps.cli.goodput import goodput
-from apps.cli.incidents import incident, incidents
-from apps.cli.policy import policy_app
-from apps.cli.report import report
-from apps.cli.serve import emit, serve
-from apps.cli.simulate import simulate
-from apps.cli.sweep import sweep_app
-from apps.cli.triage import ingest, schema, triage
 from integrations.registry import BackendError
 from medic.policy import PolicyError
 
-app = typer.Typer(
-    name="medic",
-    help="GPU Medic: automated fault remediation for GPU training clusters.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-# `medic --help` lists the commands in registration order: keep it.
-for command in (
-    serve,
-    agent,
-    emit,
-    triage,
-    ingest,
-    incidents,
-    incident,
-    demo,
-    doctor,
-    goodput,
-    report,
-    simulate,
-    schema,
-):
-    app.command()(command)
-app.add_typer(policy_app, name="policy")
-app.add_typer(dcgm_app, name="dcgm")
-app.add_typer(advise_app, name="advise")
-app.add_typer(breaker_app, name="breaker")
-app.add_typer(audit_app, name="audit")
-app.add_typer(check_app, name="check")
-app.add_typer(fleet_app, name="fleet")
-app.add_typer(sweep_app, name="sweep")
+# Each command or command family, as `medic --help` lists them (registration order), and where it lives.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("apps.cli.serve", "serve"),
+    "agent": ("apps.cli.agent", "agent"),
+    "emit": ("apps.cli.serve", "emit"),
+    "triage": ("apps.cli.triage", "triage"),
+    "ingest": ("apps.cli.triage", "ingest"),
+    "incidents": ("apps.cli.incidents", "incidents"),
+    "incident": ("apps.cli.incidents", "incident"),
+    "demo": ("apps.cli.demo", "demo"),
+    "doctor": ("apps.cli.doctor", "doctor"),
+    "goodput": ("apps.cli.goodput", "goodput"),
+    "report": ("apps.cli.report", "report"),
+    "simulate": ("apps.cli.simulate", "simulate"),
+    "schema": ("apps.cli.triage", "schema"),
+    "policy": ("apps.cli.policy", "policy_app"),
+    "dcgm": ("apps.cli.dcgm", "dcgm_app"),
+    "advise": ("apps.cli.advise", "advise_app"),
+    "breaker": ("apps.cli.breaker", "breaker_app"),
+    "audit": ("apps.cli.audit", "audit_app"),
+    "check": ("apps.cli.check", "check_app"),
+    "fleet": ("apps.cli.fleet", "fleet_app"),
+    "sweep": ("apps.cli.sweep", "sweep_app"),
+}
+
+
+def build(names: Iterable[str] = COMMANDS) -> typer.Typer:
+    """The root app with these commands registered."""
+    root = typer.Typer(
+        name="medic",
+        help="GPU Medic: automated fault remediation for GPU training clusters.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+    )
+    # A root with a single command would run it without its name: the callback keeps `medic NAME`.
+    root.callback()(_root)
+    for name in names:
+        module, attribute = COMMANDS[name]
+        target = getattr(importlib.import_module(module), attribute)
+        if isinstance(target, typer.Typer):
+            root.add_typer(target, name=name)
+        else:
+            root.command(name=name)(target)
+    return root
+
+
+def _root() -> None:
+    """GPU Medic: automated fault remediation for GPU training clusters."""
+
+
+@cache
+def _whole() -> typer.Typer:
+    return build()
+
+
+def __getattr__(name: str) -> Any:
+    # `app`: every command, built on first use (the tests' CliRunner and `typer apps.cli.app` use it).
+    if name == "app":
+        return _whole()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 EMBEDDED_START_S = "120"
@@ -69,8 +91,9 @@ def main() -> None:
     # benchmark, a build) it has been seen to need more, and a service that cannot reach its API
     # acts on no fault; set the variable to choose another bound.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EMBEDDED_START_S)
+    first = sys.argv[1] if len(sys.argv) > 1 else None
     try:
-        app()
+        build([first] if first in COMMANDS else COMMANDS)()
     except PolicyError as error:  # a broken config file: file:line:column, no traceback
         err.print(str(error), markup=False, highlight=False)
         raise SystemExit(2) from None
