@@ -303,12 +303,20 @@ def _ecc(reader: _Reader) -> EccCounts:
 
 def _nvlink_errors(reader: _Reader, links: tuple[int, ...]) -> dict[str, int] | None:
     """Each error counter summed over `links`. A counter a link cannot answer (an older GPU has
-    no ECC counter, say) is left out for that link; one no link answers is absent."""
+    no ECC counter, say) is left out for that link; one no link answers is absent. One answered
+    NotSupported (or a driver without the function) is not asked again, as `_Reader.get` does: these
+    are 90 calls per GPU on every poll (18 links, 5 counters)."""
     totals: dict[str, int] = {}
     for link in links:
         for counter, name in NVLINK_ERROR_COUNTERS.items():
+            what = f"nvlink {link} {name} errors"
+            if what in reader.never:
+                continue
             try:
                 value = pynvml.nvmlDeviceGetNvLinkErrorCounter(reader.handle, link, counter)
+            except NEVER_ANSWERED:
+                reader.never.add(what)
+                continue
             except NVLINK_PROBE_ERRORS:
                 continue
             except pynvml.NVMLError_GpuIsLost:
@@ -316,7 +324,7 @@ def _nvlink_errors(reader: _Reader, links: tuple[int, ...]) -> dict[str, int] | 
             except NODE_FAILURES:
                 raise
             except pynvml.NVMLError as error:
-                reader.errors.append(f"nvlink {link} {name} errors: {error}")
+                reader.errors.append(f"{what}: {error}")
                 continue
             totals[name] = totals.get(name, 0) + int(value)
     return totals or None

@@ -286,6 +286,33 @@ def test_nvlink_error_counters_on_a_gpu_without_nvlink(monkeypatch: pytest.Monke
     assert nvml._nvlink_errors(nvml._Reader(object()), (0, 1)) is None
 
 
+@pytest.mark.parametrize("answer", [pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND])
+def test_an_nvlink_counter_never_answered_is_asked_once(monkeypatch: pytest.MonkeyPatch, answer: int) -> None:
+    asked: list[tuple[int, int]] = []
+
+    def counter(handle: object, link: int, which: int) -> int:
+        asked.append((link, which))
+        if which == pynvml.NVML_NVLINK_ERROR_DL_ECC_DATA:
+            raise pynvml.NVMLError(answer)
+        if which == pynvml.NVML_NVLINK_ERROR_DL_RECOVERY:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)  # may answer next time
+        return 1
+
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetNvLinkErrorCounter", counter)
+    never: set[str] = set()  # the session's, kept across reads
+    first = nvml._nvlink_errors(nvml._Reader(object(), never), (0, 1))
+    asked_first = len(asked)
+    again = nvml._Reader(object(), never)
+    assert nvml._nvlink_errors(again, (0, 1)) == first == {"replay": 2, "crc_flit": 2, "crc_data": 2}
+    assert asked_first == 10
+    assert len(asked) - asked_first == 8  # ecc_data not asked again on either link; recovery is
+    assert again.errors == [
+        "nvlink 0 recovery errors: Unknown Error",
+        "nvlink 1 recovery errors: Unknown Error",
+    ]
+    assert {"nvlink 0 ecc_data errors", "nvlink 1 ecc_data errors"} <= never
+
+
 def test_a_field_the_gpu_never_answers_is_asked_once_per_driver_session(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
