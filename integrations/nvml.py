@@ -303,30 +303,16 @@ def _ecc(reader: _Reader) -> EccCounts:
 
 def _nvlink_errors(reader: _Reader, links: tuple[int, ...]) -> dict[str, int] | None:
     """Each error counter summed over `links`. A counter a link cannot answer (an older GPU has
-    no ECC counter, say) is left out for that link; one no link answers is absent. One answered
-    NotSupported (or a driver without the function) is not asked again, as `_Reader.get` does: these
-    are 90 calls per GPU on every poll (18 links, 5 counters)."""
+    no ECC counter, say) is left out for that link; one no link answers is absent. Each link's
+    counter is a field of its own to `_Reader.get`: one answered NotSupported is not asked again
+    (90 calls per GPU on every poll: 18 links, 5 counters)."""
     totals: dict[str, int] = {}
     for link in links:
         for counter, name in NVLINK_ERROR_COUNTERS.items():
             what = f"nvlink {link} {name} errors"
-            if what in reader.never:
-                continue
-            try:
-                value = pynvml.nvmlDeviceGetNvLinkErrorCounter(reader.handle, link, counter)
-            except NEVER_ANSWERED:
-                reader.never.add(what)
-                continue
-            except NVLINK_PROBE_ERRORS:
-                continue
-            except pynvml.NVMLError_GpuIsLost:
-                raise _GpuLost from None
-            except NODE_FAILURES:
-                raise
-            except pynvml.NVMLError as error:
-                reader.errors.append(f"{what}: {error}")
-                continue
-            totals[name] = totals.get(name, 0) + int(value)
+            value = reader.get(what, pynvml.nvmlDeviceGetNvLinkErrorCounter, link, counter)
+            if value is not None:
+                totals[name] = totals.get(name, 0) + int(value)
     return totals or None
 
 

@@ -68,7 +68,7 @@ def build(names: Iterable[str] = COMMANDS) -> typer.Typer:
 
 
 def _root() -> None:
-    """GPU Medic: automated fault remediation for GPU training clusters."""
+    return None  # no options of its own; the help is the Typer's
 
 
 @cache
