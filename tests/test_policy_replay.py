@@ -143,6 +143,19 @@ def test_the_live_path_records_its_facts_and_the_same_policy_changes_nothing(sto
     }
 
 
+def test_a_job_named_now_is_not_taken_for_the_time_of_deciding(store: Store) -> None:
+    # The replay cuts `now` out of the stored facts' JSON: a value "now" before it (here the job's
+    # name, in `jobs`) is not that key.
+    at = datetime.now(UTC) - timedelta(minutes=5)
+    remediate_decisions(
+        store, [fault_event("nan_loss", node="gpu-node-1", at=at, job="now", rank=0, iteration=7)]
+    )
+    report = replay(
+        store.replay_history(since=None, lookback=timedelta(hours=1)), load_policy(DEFAULT_POLICY)
+    )
+    assert (report.incidents, report.decisions, report.changed) == (1, 2, 0)
+
+
 def test_the_cli_against_the_same_policy_exits_0(recorded: tuple[Store, list[str]]) -> None:
     store, _ = recorded
     code, out, _ = run_replay(store, DEFAULT_POLICY, "--max-changed", "0")

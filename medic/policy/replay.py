@@ -293,8 +293,8 @@ class _Ruled:
 
 def _cut_now(text: str) -> tuple[str, datetime]:
     """Kept facts as JSON without their `now`, and `now`: what two decisions on the same evidence differ in."""
-    key = text.index('"now"')
-    start = text.index('"', key + len('"now"')) + 1
+    key = text.index('"now": ')  # the key: only keys precede a colon, and a string's quotes are escaped
+    start = text.index('"', key + len('"now": ')) + 1
     end = text.index('"', start)
     return text[:key] + text[end + 1 :], datetime.fromisoformat(text[start:end])
 
