@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from integrations.backend_errors import BackendError
 from integrations.sim.checkpoints import SimCheckpoints
 from integrations.sim.deep_checks import SimAllReduce, SimInstanceProbe, SimNicLoopback
 from integrations.sim.diagnostics import SimDiagnostics
@@ -40,7 +41,6 @@ from integrations.sim.notifier import RecordingNotifier
 from integrations.sim.provider import SimProvider
 from integrations.sim.scheduler import SimScheduler
 from medic.config import BACKEND_ROLES, BACKENDS_VAR, SLACK_TOKEN_VARS, Choice, Settings
-from medic.errors import PermanentError
 from medic.protocols import (
     AllReduceTest,
     CheckpointStore,
@@ -53,11 +53,6 @@ from medic.protocols import (
     Reservations,
     Scheduler,
 )
-
-
-class BackendError(PermanentError, ValueError):
-    """Raised when the configuration names a backend that does not exist or cannot be built."""
-
 
 # What to set for each role, in the message of an unconfigured one.
 HINTS: dict[str, str] = {

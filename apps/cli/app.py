@@ -17,7 +17,7 @@ from typing import Any
 import typer
 
 from apps.cli._common import err
-from integrations.registry import BackendError
+from integrations.backend_errors import BackendError
 from medic.policy import PolicyError
 
 # Each command or command family, as `medic --help` lists them (registration order), and where it lives.
@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("apps.cli.agent", "agent"),
     "emit": ("apps.cli.serve", "emit"),
     "triage": ("apps.cli.triage", "triage"),
-    "ingest": ("apps.cli.triage", "ingest"),
+    "ingest": ("apps.cli.ingest", "ingest"),
     "incidents": ("apps.cli.incidents", "incidents"),
     "incident": ("apps.cli.incidents", "incident"),
     "demo": ("apps.cli.demo", "demo"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -11,8 +12,10 @@ from rich.text import Text
 
 from medic.intake import Rejection
 from medic.protocols import Message
-from medic.store import IncidentDetail
-from medic.store.tables import IncidentRecord
+
+if TYPE_CHECKING:  # the store's types, not its modules: `medic triage` runs without SQLAlchemy
+    from medic.store import IncidentDetail
+    from medic.store.tables import IncidentRecord
 
 ACTION_STYLE = {
     "replace": "bold red",

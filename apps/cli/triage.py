@@ -1,7 +1,7 @@
-"""`medic triage`, `medic ingest` and `medic schema`: events in, decisions (and actions) out.
+"""`medic triage` and `medic schema`: events in, decisions out, nothing done (`medic ingest` acts).
 
-The flows and the Prefect runner are imported inside `ingest`: `medic triage` and `--help`
-must not pay Prefect's import (tests/test_cli_triage.py checks).
+Nothing here loads the store, the backends or Prefect: a triage of a million events holds little
+more than the events in reach of its windows (BENCHMARKS.md, section 2a).
 """
 
 from __future__ import annotations
@@ -27,17 +27,13 @@ from apps.cli._common import (
     err,
     load_policy_or_exit,
     report_rejections,
-    runtime_or_exit,
 )
-from apps.cli.plan import plan_steps
-from medic.errors import PermanentError
 from medic.events import FaultEvent
 from medic.incidents import Incident
 from medic.intake import Intake
 from medic.intake import read_file as read_all
 from medic.policy.model import Decision
 from medic.triage import EventReader, OutOfOrder, Replayed, read_file, replay, stream, triage_line
-from tasks.runtime import Runtime
 
 
 def triage(
@@ -124,72 +120,6 @@ def _with_progress(events: Iterator[FaultEvent], reader: EventReader, size: int)
             if count % PROGRESS_EVERY == 0:
                 progress.update(task, completed=reader.chars, events=count)
             yield event
-
-
-def ingest(
-    events: EventsArgument,
-    policy: PolicyOption = None,
-    dry_run: Annotated[
-        bool,
-        typer.Option("--dry-run", help="Print what would be done against the live fleet; change nothing."),
-    ] = False,
-) -> None:
-    """Store events, group them into incidents and remediate each through the flows."""
-    from apps.cli.prefect_run import run_flows
-    from flows.dispatch import remediate_all
-
-    rt = runtime_or_exit(policy)
-    intake = read_all(events)
-    if dry_run:
-        _dry_run(rt, intake)
-        return
-    dispatch = run_flows(remediate_all(rt, intake))
-    report_rejections(intake)
-    console.print(render.incidents_table(rt.store.get_incidents([i.id for i in dispatch.incidents])))
-    for incident_id, why in dispatch.failed:
-        err.print(f"[red]incident {incident_id} failed:[/red] {why}")
-    if dispatch.failed:
-        raise typer.Exit(1)
-
-
-def _dry_run(rt: Runtime, intake: Intake) -> None:
-    """Decide on every incident with the live fleet size and out-of-service nodes; act on nothing."""
-    report_rejections(intake)
-    known = rt.store.known_event_ids(e.id for e in intake.events)
-    fresh = [e for e in intake.events if e.id not in known]
-    nodes = rt.backends.scheduler.nodes()
-    loaded = rt.policy()
-    table = Table(title="Dry run: what would be done (nothing was changed)", title_justify="left")
-    for column in ("incident", "node", "decision", "would do"):
-        table.add_column(column, overflow="fold")
-    for result in replay(fresh, loaded, fleet_size=len(nodes)):
-        d = result.decision
-        jobs = _jobs_on(rt, result.incident) or result.incident.jobs
-        policy = loaded.policy
-        steps = plan_steps(
-            d,
-            result.incident.node,
-            result.incident.id,
-            jobs,
-            policy.defaults.verify_level,
-            policy.deep_checks,
-        )
-        table.add_row(
-            result.incident.id, result.incident.node, f"{d.action.value} ({d.rule})", "\n".join(steps)
-        )
-    console.print(table)
-
-
-def _jobs_on(rt: Runtime, incident: Incident) -> list[str]:
-    """The jobs the scheduler reports on the incident's node; none for a switch, or a node it does
-    not know (the plan then shows the jobs the events name)."""
-    if incident.scope == "switch":
-        return []
-    try:
-        return [j.id for j in rt.backends.scheduler.jobs_on_node(incident.node)]
-    except PermanentError as error:
-        err.print(f"[yellow]{escape(incident.id)}:[/yellow] {escape(str(error))}")
-        return []
 
 
 def schema() -> None:
