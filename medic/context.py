@@ -157,9 +157,21 @@ class Context:
             if series is not None:
                 yield from series.between(start, end)
 
-    def count(self, kinds: Iterable[EventKind], start: datetime, end: datetime) -> int:
-        """How many events of these kinds lie in the range, without touching them."""
-        return sum(series.count(start, end) for kind in kinds if (series := self._series.get((kind,))))
+    def count(
+        self,
+        kinds: Iterable[EventKind],
+        start: datetime,
+        end: datetime,
+        scope: str | None = None,
+        key: Hashable | None = None,
+    ) -> int:
+        """How many events `window` would give, without touching them."""
+        get = self._series.get
+        return sum(
+            series.count(start, end)
+            for kind in kinds
+            if (series := get((kind,) if scope is None else (kind, scope, key)))
+        )
 
 
 EMPTY = Context()

@@ -162,23 +162,34 @@ def triage(
 
 class _Ids:
     """The event ids seen so far, exactly, in two flat arrays: each id's UTF-8 bytes after a
-    two-byte length in one buffer, and an open-addressing table of where each starts (with 24 bits
-    of its hash, so that a probe rarely reads the buffer). About 30 bytes an id, where a set of
-    strings costs about 100: the one thing triage keeps for the whole input, so that a repeated
-    id is dropped wherever it comes. Ids are compared whole, so no two different ids are confused."""
+    two-byte length in one buffer, and an open-addressing table of where each starts. About 20
+    bytes an id, where a set of strings costs about 100: the one thing triage keeps for the whole
+    input, so that a repeated id is dropped wherever it comes. Ids are compared whole, so no two
+    different ids are confused.
+
+    A slot takes four bytes while the buffer is under 4 GiB (eight past that): at a million ids the
+    table is 8 MiB, not 16. No hash bits fit beside the start, so a probe compares the id itself;
+    with at most half the slots used, an id new to the table (most are) meets one used slot on average."""
 
     __slots__ = ("_ids", "_slots", "_used")
 
     def __init__(self) -> None:
         self._ids = bytearray()
-        self._slots = array("Q", bytes(8 * 1024))  # 0: empty; else hash bits << 40 | start + 1
+        self._slots = array("I", bytes(4 * 1024))  # 0: empty; else where the id starts, plus 1
         self._used = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the two arrays take."""
+        return len(self._ids) + len(self._slots) * self._slots.itemsize
 
     def add(self, event_id: str) -> bool:
         """Remember `event_id`: True if it is new."""
         data = event_id.encode("utf-8", "surrogatepass")  # ids are at most 200 characters
-        code = hash(data)
-        if not self._put(data, code, len(self._ids) + 1):
+        entry = len(self._ids) + 1
+        if entry >= WIDE_FROM and self._slots.typecode == "I":
+            self._slots = array("Q", self._slots)
+        if not self._put(data, hash(data), entry):
             return False
         self._ids += len(data).to_bytes(2, "little") + data
         self._used += 1
@@ -190,32 +201,27 @@ class _Ids:
         """Put `entry` in the first free slot for `data`, unless `data` is there already."""
         slots, ids = self._slots, self._ids
         mask = len(slots) - 1
-        tag = (code >> 8) & _TAG_MASK
         index = code & mask
+        stored = len(data).to_bytes(2, "little") + data  # as the buffer holds it
         while found := slots[index]:
-            if found >> _TAG_SHIFT == tag:
-                start = (found & _START_MASK) - 1
-                end = start + 2 + int.from_bytes(ids[start : start + 2], "little")
-                if ids[start + 2 : end] == data:
-                    return False
+            if ids[found - 1 : found - 1 + len(stored)] == stored:
+                return False
             index = (index + 1) & mask
-        slots[index] = tag << _TAG_SHIFT | entry
+        slots[index] = entry
         return True
 
     def _grow(self) -> None:
-        old, self._slots = self._slots, array("Q", bytes(16 * len(self._slots)))
+        old = self._slots
+        self._slots = array(old.typecode, bytes(2 * len(old) * old.itemsize))
         ids = self._ids
         for found in old:
             if found:
-                start = (found & _START_MASK) - 1
-                end = start + 2 + int.from_bytes(ids[start : start + 2], "little")
-                data = bytes(ids[start + 2 : end])
-                self._put(data, hash(data), start + 1)
+                end = found + 1 + int.from_bytes(ids[found - 1 : found + 1], "little")
+                data = bytes(ids[found + 1 : end])
+                self._put(data, hash(data), found)
 
 
-_TAG_SHIFT = 40  # a slot: 24 bits of the id's hash, then where it starts in the buffer (up to 1 TB)
-_TAG_MASK = (1 << 24) - 1
-_START_MASK = (1 << _TAG_SHIFT) - 1
+WIDE_FROM = 2**32  # the first slot value (a start, plus 1) four bytes cannot hold
 
 
 @dataclass(slots=True)
@@ -340,11 +346,18 @@ class _Recent(Context):
             if series is not None:
                 yield from series.events[bisect_left(series.times, low) : bisect_right(series.times, high)]
 
-    def count(self, kinds: Iterable[EventKind], start: datetime, end: datetime) -> int:
+    def count(
+        self,
+        kinds: Iterable[EventKind],
+        start: datetime,
+        end: datetime,
+        scope: str | None = None,
+        key: Hashable | None = None,
+    ) -> int:
         low, high = _micros(start), _micros(end)
         found = 0
         for kind in kinds:
-            series = self._index.get((kind,))
+            series = self._index.get((kind,) if scope is None else (kind, scope, key))
             if series is not None:
                 found += bisect_right(series.times, high) - bisect_left(series.times, low)
         return found

@@ -9,6 +9,8 @@ with incidents of one shape but different counts, diagnostics and history.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 from factories import fault_event
@@ -21,9 +23,19 @@ from medic.events import EventKind, FaultEvent
 from medic.facts import Facts, facts_of
 from medic.incidents import Incident, correlate
 from medic.policy import Action, Decision, Policy, decide, load_policy
-from medic.policy.engine import MAX_LEVEL, CompiledRule, _compile_rule, diagnose_level, evaluate, ruling
+from medic.policy.engine import (
+    MAX_LEVEL,
+    CompiledRule,
+    _compile_rule,
+    _counted,
+    _has_signature,
+    diagnose_level,
+    evaluate,
+    ruling,
+    window,
+)
 from medic.policy.loader import parse_policy
-from medic.policy.model import ACTION_RANK, Rule
+from medic.policy.model import ACTION_RANK, CountCondition, Rule
 
 DEFAULT = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml").policy
 SHA = "cd" * 32
@@ -288,3 +300,55 @@ def test_one_shape_different_counts_decide_differently():
     assert decide(EVERY_CONDITION, few, SHA).rule == "default"
     assert decide(EVERY_CONDITION, many, SHA).rule == "ecc"
     assert decide(EVERY_CONDITION, few, SHA) == reference(EVERY_CONDITION, few, SHA)
+
+
+def counted_by_the_letter(cond: CountCondition, facts: Facts) -> int:
+    """docs/policy.md's count, read off every event of the cluster in the window: no index slices, no
+    shortcut for a count that cannot reach `at_least`."""
+    anchors = [e for e in facts.events if _has_signature(cond, e)]
+    if not anchors:
+        return 0
+    start, end = window(facts, timedelta(minutes=cond.within_minutes))
+    seen = [*anchors, *facts.context.window(cond.event_kinds(), start, end)]
+    found = list({e.id: e for e in seen if _has_signature(cond, e) and start <= e.time <= end}.values())
+    if cond.scope == "gpu":
+        found = [
+            e for e in found if e.gpu is not None and (e.node, e.gpu) in {(a.node, a.gpu) for a in anchors}
+        ]
+    elif cond.scope == "node":
+        found = [e for e in found if e.node == facts.node]
+    elif cond.scope == "job":
+        found = [e for e in found if e.job in {a.job for a in anchors if a.job}]
+    if cond.same_iteration_rank:
+        marks = {(a.iteration, a.rank) for a in anchors if a.iteration is not None and a.rank is not None}
+        found = [e for e in found if (e.iteration, e.rank) in marks]
+    match cond.distinct:
+        case "events":
+            return len(found)
+        case "episodes":
+            times = sorted(e.time for e in found)
+            gap = timedelta(minutes=cond.episode_gap_minutes)
+            return sum(1 for i, t in enumerate(times) if i == 0 or t - times[i - 1] > gap)
+        case "nodes":
+            return len({e.node for e in found})
+        case "jobs":
+            return len({e.job for e in found if e.job})
+    return len({(e.node, e.gpu) for e in found if e.gpu is not None})
+
+
+COUNTS = [c for policy in (DEFAULT, EVERY_CONDITION) for rule in policy.rules for c in rule.when.count or ()]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=events(), own_too=st.booleans())
+def test_the_engine_counts_as_the_letter_does(stream, own_too):
+    # The engine looks only where matching events can be (the index's slices of one node, job or mark)
+    # and gives up early on a count that cannot reach `at_least`: the same verdict, the same count,
+    # whether the context holds the incident's own events (a replay's) or not.
+    context = Context(stream)
+    for facts in facts_in_turn(DEFAULT, correlate(stream, storms=DEFAULT.storms()), False, context):
+        if not own_too:
+            facts = replace(facts, context=Context(e for e in stream if e not in facts.events))
+        for cond in COUNTS:
+            letter, engine = counted_by_the_letter(cond, facts), _counted(cond, facts, cond.event_kinds())
+            assert engine == letter if letter >= cond.at_least else engine < cond.at_least

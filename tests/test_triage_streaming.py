@@ -231,11 +231,16 @@ rules:
     assert most_context <= 5 * ((lookback + 3 * window) // 4 + (window // 2 + 3 * window) // 4 + 1024)
 
 
-def test_ids_are_remembered_compactly_and_exactly():
+@pytest.mark.parametrize("wide_from", [2**32, 1_000])
+def test_ids_are_remembered_compactly_and_exactly(monkeypatch: pytest.MonkeyPatch, wide_from: int) -> None:
+    # Past `WIDE_FROM` bytes of ids (4 GiB; here 1,000 too) a slot takes eight bytes: still exact.
+    monkeypatch.setattr("medic.triage.WIDE_FROM", wide_from)
     ids = _Ids()
     assert all(ids.add(f"ev-{i}") for i in range(20_000))
     assert not any(ids.add(f"ev-{i}") for i in range(20_000))
     assert ids.add("ev-20000")
+    # 20,001 ids of 2 + 7-8 bytes in the buffer, in 65,536 slots of 4 (8) bytes: about 23 (36) an id.
+    assert ids.nbytes <= 20_001 * (23 if wide_from == 2**32 else 36)
     # Ids of every length the schema allows, non-ASCII too, repeated at random: as a set of strings.
     rng, seen = random.Random(7), set()
     pool = [f"{'é' * (i % 7)}{i}{'x' * (i % 200)}"[:200] for i in range(3_000)]

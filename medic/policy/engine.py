@@ -178,10 +178,12 @@ def _counted(cond: CountCondition, f: Facts, kinds: tuple[EventKind, ...]) -> in
     if not anchors:
         return 0
     start, end = window(f, timedelta(minutes=cond.within_minutes))
-    if len(anchors) + f.context.count(kinds, start, end) < cond.at_least:
-        return 0  # not enough events of these kinds at all: skip the careful count
+    lookups = _lookups(cond, f, anchors)
+    reach = sum(f.context.count(kinds, start, end, scope, key) for scope, key in lookups)
+    if len(anchors) + reach < cond.at_least:
+        return 0  # not enough events of these kinds where it looks: skip the careful count
     pool: dict[str, Seen] = {e.id: e for e in anchors if start <= e.time <= end}
-    for scope, key in _lookups(cond, f, anchors):
+    for scope, key in lookups:
         pool.update(
             (e.id, e) for e in f.context.window(kinds, start, end, scope, key) if _has_signature(cond, e)
         )
