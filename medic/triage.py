@@ -186,23 +186,24 @@ class _Ids:
     def add(self, event_id: str) -> bool:
         """Remember `event_id`: True if it is new."""
         data = event_id.encode("utf-8", "surrogatepass")  # ids are at most 200 characters
+        stored = len(data).to_bytes(2, "little") + data  # as the buffer holds it
         entry = len(self._ids) + 1
         if entry >= WIDE_FROM and self._slots.typecode == "I":
             self._slots = array("Q", self._slots)
-        if not self._put(data, hash(data), entry):
+        if not self._put(stored, entry):
             return False
-        self._ids += len(data).to_bytes(2, "little") + data
+        self._ids += stored
         self._used += 1
         if self._used * 2 > len(self._slots):
             self._grow()
         return True
 
-    def _put(self, data: bytes, code: int, entry: int) -> bool:
-        """Put `entry` in the first free slot for `data`, unless `data` is there already."""
+    def _put(self, stored: bytes, entry: int) -> bool:
+        """Put `entry` in the first free slot for the id `stored` (its length, then its bytes),
+        unless the id is there already."""
         slots, ids = self._slots, self._ids
         mask = len(slots) - 1
-        index = code & mask
-        stored = len(data).to_bytes(2, "little") + data  # as the buffer holds it
+        index = hash(stored) & mask
         while found := slots[index]:
             if ids[found - 1 : found - 1 + len(stored)] == stored:
                 return False
@@ -217,8 +218,7 @@ class _Ids:
         for found in old:
             if found:
                 end = found + 1 + int.from_bytes(ids[found - 1 : found + 1], "little")
-                data = bytes(ids[found + 1 : end])
-                self._put(data, hash(data), found)
+                self._put(bytes(ids[found - 1 : end]), found)
 
 
 WIDE_FROM = 2**32  # the first slot value (a start, plus 1) four bytes cannot hold
