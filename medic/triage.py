@@ -167,9 +167,10 @@ class _Ids:
     input, so that a repeated id is dropped wherever it comes. Ids are compared whole, so no two
     different ids are confused.
 
-    A slot takes four bytes while the buffer is under 4 GiB (eight past that): at a million ids the
-    table is 8 MiB, not 16. No hash bits fit beside the start, so a probe compares the id itself;
-    with at most half the slots used, an id new to the table (most are) meets one used slot on average."""
+    A slot is a C unsigned int (four bytes) while the buffer is under 4 GiB, eight bytes past that:
+    at a million ids the table is 8 MiB, not 16. No hash bits fit beside the start, so a probe
+    compares the id itself; with at most half the slots used, an id new to the table (most are)
+    meets one used slot on average."""
 
     __slots__ = ("_ids", "_slots", "_used")
 
@@ -221,7 +222,7 @@ class _Ids:
                 self._put(bytes(ids[found - 1 : end]), found)
 
 
-WIDE_FROM = 2**32  # the first slot value (a start, plus 1) four bytes cannot hold
+WIDE_FROM = 2 ** (8 * array("I").itemsize)  # the first slot value (a start, plus 1) "I" cannot hold
 
 
 @dataclass(slots=True)
