@@ -102,6 +102,12 @@ def index_keys(event: Seen) -> list[tuple[Hashable, ...]]:
     return keys
 
 
+def series_key(kind: EventKind, scope: str | None, key: Hashable | None) -> tuple[Hashable, ...]:
+    """The index entry of one kind's events: all of them (no scope), or one node's, job's, switch's
+    or mark's, as `index_keys` names them."""
+    return (kind,) if scope is None else (kind, scope, key)
+
+
 _TIME = attrgetter("time")
 
 
@@ -153,7 +159,7 @@ class Context:
         """Events of these kinds with start <= time <= end, optionally only those of one node,
         job, switch or (iteration, rank) `mark`."""
         for kind in kinds:
-            series = self._series.get((kind,) if scope is None else (kind, scope, key))
+            series = self._series.get(series_key(kind, scope, key))
             if series is not None:
                 yield from series.between(start, end)
 
@@ -168,9 +174,7 @@ class Context:
         """How many events `window` would give, without touching them."""
         get = self._series.get
         return sum(
-            series.count(start, end)
-            for kind in kinds
-            if (series := get((kind,) if scope is None else (kind, scope, key)))
+            series.count(start, end) for kind in kinds if (series := get(series_key(kind, scope, key)))
         )
 
 

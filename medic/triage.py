@@ -27,7 +27,7 @@ from typing import IO, Literal
 from pydantic import BaseModel, ConfigDict
 
 from medic.ageing import PastIncident
-from medic.context import Context, Seen, Trace, index_keys, trace
+from medic.context import Context, Seen, Trace, index_keys, series_key, trace
 from medic.culprit import Differential
 from medic.errors import MedicError
 from medic.events import EventKind, FaultEvent
@@ -324,10 +324,10 @@ class _Recent(Context):
         if event.kind not in self._lookbacks:
             return
         kept = trace(event)
-        for series_key in index_keys(kept):
-            series = self._index.get(series_key)
+        for entry in index_keys(kept):
+            series = self._index.get(entry)
             if series is None:
-                series = self._index[series_key] = _Series()
+                series = self._index[entry] = _Series()
             series.events.append(kept)
             series.times.append(at)
             self.entries += 1
@@ -343,7 +343,7 @@ class _Recent(Context):
     ) -> Iterator[Seen]:
         low, high = _micros(start), _micros(end)
         for kind in kinds:
-            series = self._index.get((kind,) if scope is None else (kind, scope, key))
+            series = self._index.get(series_key(kind, scope, key))
             if series is not None:
                 yield from series.events[bisect_left(series.times, low) : bisect_right(series.times, high)]
 
@@ -358,7 +358,7 @@ class _Recent(Context):
         low, high = _micros(start), _micros(end)
         found = 0
         for kind in kinds:
-            series = self._index.get((kind,) if scope is None else (kind, scope, key))
+            series = self._index.get(series_key(kind, scope, key))
             if series is not None:
                 found += bisect_right(series.times, high) - bisect_left(series.times, low)
         return found
@@ -371,10 +371,10 @@ class _Recent(Context):
             cutoff = moment - self._lookbacks[kind] // MICROSECOND
             while arrivals and arrivals[0][0] < cutoff:
                 gone.update(index_keys(arrivals.popleft()[1]))
-        for series_key, count in gone.items():
-            series = self._index[series_key]
+        for entry, count in gone.items():
+            series = self._index[entry]
             if count == len(series.times):
-                del self._index[series_key]
+                del self._index[entry]
             else:
                 del series.events[:count], series.times[:count]
         self.entries -= gone.total()

@@ -1,7 +1,6 @@
 """`medic ingest`: events in, incidents remediated through the flows (`--dry-run`: what would be done).
 
-The flows and the Prefect runner are imported inside `ingest`: its `--help` must not pay Prefect's
-import (tests/test_cli_triage.py checks).
+The flows and the Prefect runner are imported inside `ingest`: its `--help` starts without Prefect.
 """
 
 from __future__ import annotations
