@@ -19,7 +19,7 @@ from medic.config import REPO_ROOT
 from medic.events import EventKind
 from medic.policy import LoadedPolicy, load_policy
 from medic.policy.model import Action, Policy
-from medic.policy.replay import History, decided_as_one, replay
+from medic.policy.replay import History, Redeciding, decided_as_one, replay
 from medic.policy.replay_report import Judge, Outcome, Redecided, Redecisions, ReplayReport, judge
 from medic.store import Store
 from medic.store.tables import DecisionRecord, IncidentRecord
@@ -72,8 +72,9 @@ def in_one_process(store: Store, loaded: LoadedPolicy, since: datetime | None = 
 
 @pytest.mark.parametrize("edit", EDITS)
 def test_two_halves_report_what_one_replay_does(
-    filled: Store, tmp_path: Path, whole: list[int], edit: str
+    filled: Store, tmp_path: Path, whole: list[int], monkeypatch: pytest.MonkeyPatch, edit: str
 ) -> None:
+    monkeypatch.setattr(parallel, "HANDFUL", 7)  # handed over and judged a few at a time
     change = EDITS[edit]
     loaded = edited(tmp_path, *change) if change else load_policy(DEFAULT_POLICY)
     report = parallel.replay_store(filled, loaded, None, parallel_from=0)
@@ -131,18 +132,21 @@ def test_facts_rebuilt_make_the_replay_whole(tmp_path: Path, whole: list[int]) -
     store.close()
 
 
-def test_a_half_that_fails_leaves_the_replay_to_this_process(
+def test_a_part_that_fails_leaves_the_replay_to_this_process(
     filled: Store, whole: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # It fails after handing some of its decisions over: what this process judged of them is thrown away.
     parent = os.getpid()
-    redecide = parallel.redecide
 
-    def fails_in_the_child(history: History, loaded: LoadedPolicy) -> Redecisions:
-        if os.getpid() != parent:
-            raise RuntimeError("the later half's process fails")
-        return redecide(history, loaded)
+    class FailsInTheChild(Redeciding):
+        def __iter__(self) -> Iterator[Redecided]:
+            for made, decided in enumerate(super().__iter__()):
+                if made == 5 and os.getpid() != parent:
+                    raise RuntimeError("the later part's process fails")
+                yield decided
 
-    monkeypatch.setattr(parallel, "redecide", fails_in_the_child)
+    monkeypatch.setattr(parallel, "Redeciding", FailsInTheChild)
+    monkeypatch.setattr(parallel, "HANDFUL", 2)
     loaded = load_policy(DEFAULT_POLICY)
     assert parallel.replay_store(filled, loaded, None, parallel_from=0) == in_one_process(filled, loaded)
     assert whole == [1]
@@ -158,8 +162,9 @@ def test_decisions_made_across_the_split_are_judged_in_the_order_they_were_made(
     store = Store(f"sqlite:///{tmp_path / 'medic.db'}")
     loaded = edited(tmp_path, "max_out_of_service_percent: 10", "max_out_of_service: 3")
     fill(store, loaded, 100)
-    split = store.replay_split(None)
+    split = store.replay_split(None, parallel.EARLIER_SHARE)
     assert split is not None
+    monkeypatch.setattr(parallel, "HANDFUL", 3)
     opened = col(IncidentRecord.opened_at)
     with store.engine.begin() as connection:
         if moved == "earlier after the split":
@@ -262,6 +267,12 @@ def test_the_store_splits_by_opening_and_each_half_holds_its_own(store: Store) -
     for event in later.events:
         assert event == recorded[event.id] and event.model_dump() == recorded[event.id].model_dump()
     assert store.replay_split(split.middle + timedelta(days=365)) is None
+    # Another share: that many of the incidents in the earlier part, one at least and all but one at most.
+    for share, earlier_count in ((0.25, 10), (0.0, 1), (1.0, 39)):
+        part = store.replay_split(None, share)
+        assert part is not None
+        until = store.replay_history(since=None, until=part.middle, lookback=lookback)
+        assert len({d.incident for d in until.decisions}) == earlier_count
 
 
 def _own_events(history: History) -> set[str]:

@@ -18,7 +18,7 @@ JSON form is a public contract (docs/policy.md#replay); tests pin it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from operator import itemgetter
@@ -163,22 +163,36 @@ def replay(history: History, loaded: LoadedPolicy, since: datetime | None = None
 
 def redecide(history: History, loaded: LoadedPolicy) -> Redecisions:
     """Every recorded decision made again with `loaded`, before its guardrails (`judge` replays them)."""
-    decider = _Decider(history, loaded)
-    outcomes: dict[Ruling, Outcome] = {}
-    pairs = _recorded_outcomes(history.decisions)
-    last_of = {record.incident: i for i, (record, _) in enumerate(pairs)}
-    decisions: list[Redecided] = []
-    for index, (record, before) in enumerate(pairs):
-        decided = decider.decide(record)
-        if decided is None:
-            continue
-        key, fleet_size = decided
-        # Decisions come in few outcomes (a rule, its action and level): one object each.
-        after = outcomes.get(key)
-        if after is None:
-            after = outcomes[key] = Outcome(rule=key[0], action=key[1], diagnose_level=key[2])
-        decisions.append(
-            Redecided(
+    deciding = Redeciding(history, loaded)
+    return deciding.summary(list(deciding))
+
+
+class Redeciding:
+    """`redecide` a decision at a time, in the order they were made: a process deciding part of a
+    replay hands them over as they come (apps/cli/replay_parallel.py), and `summary` says what they
+    read once all are made."""
+
+    def __init__(self, history: History, loaded: LoadedPolicy) -> None:
+        self.history = history
+        self.decider = _Decider(history, loaded)
+        self.pairs = _recorded_outcomes(history.decisions)
+        self.made = 0
+
+    def __iter__(self) -> Iterator[Redecided]:
+        decider, pairs = self.decider, self.pairs
+        outcomes: dict[Ruling, Outcome] = {}
+        last_of = {record.incident: i for i, (record, _) in enumerate(pairs)}
+        for index, (record, before) in enumerate(pairs):
+            decided = decider.decide(record)
+            if decided is None:
+                continue
+            key, fleet_size = decided
+            # Decisions come in few outcomes (a rule, its action and level): one object each.
+            after = outcomes.get(key)
+            if after is None:
+                after = outcomes[key] = Outcome(rule=key[0], action=key[1], diagnose_level=key[2])
+            self.made += 1
+            yield Redecided(
                 record.decided_at,
                 record.id,
                 record.incident,
@@ -190,22 +204,27 @@ def redecide(history: History, loaded: LoadedPolicy) -> Redecisions:
                 last_of[record.incident] == index,
                 record.flow_run_id,
             )
+
+    def summary(self, decisions: Sequence[Redecided]) -> Redecisions:
+        """The decisions made, `decisions` (all or none of them), with what they read."""
+        history, decider = self.history, self.decider
+        held = (history.start, history.end) if history.start and history.end else None
+        own = {record.incident for record in history.decisions}
+        firsts = [
+            events[0].time
+            for incident, events in history.incident_events.items()
+            if incident in own and events
+        ]
+        return Redecisions(
+            decisions,
+            rebuilt=decider.rebuilt,
+            skipped=len(self.pairs) - self.made,
+            held=held,
+            read=decider.read,
+            earliest=min(firsts, default=None),
+            switch_sizes_recorded=decider.sizes_recorded,
+            switch_sizes_missing=decider.sizes_missing,
         )
-    held = (history.start, history.end) if history.start and history.end else None
-    own = {record.incident for record in history.decisions}
-    firsts = [
-        events[0].time for incident, events in history.incident_events.items() if incident in own and events
-    ]
-    return Redecisions(
-        decisions,
-        rebuilt=decider.rebuilt,
-        skipped=len(pairs) - len(decisions),
-        held=held,
-        read=decider.read,
-        earliest=min(firsts, default=None),
-        switch_sizes_recorded=decider.sizes_recorded,
-        switch_sizes_missing=decider.sizes_missing,
-    )
 
 
 def decided_as_one(parts: Sequence[Redecisions], lookback: timedelta) -> bool:

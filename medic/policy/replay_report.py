@@ -154,8 +154,10 @@ class Judge:
         self.fleet = _Fleet(loaded.policy, closed_at)
         self.trips: list[Trip] = []
         self.decisions = 0
-        # Incidents whose last decision is still to come: the order each first came, its decisions.
-        self.open: dict[str, tuple[int, list[tuple[Redecided, Outcome]]]] = {}
+        # Incidents whose last decision is still to come: the order each first came, its decisions with
+        # their outcomes before and after (guardrails included).
+        self.open: dict[str, tuple[int, list[tuple[Redecided, _Traits, _Traits]]]] = {}
+        self.known: dict[int, _Traits] = {}  # by the id of the outcome
         self.incidents = 0
         self.changes: list[tuple[int, ChangedIncident]] = []
         self.actions: tuple[Counter[str], Counter[str]] = (Counter(), Counter())  # before, after
@@ -165,23 +167,30 @@ class Judge:
     def take(self, decisions: Iterable[Redecided]) -> None:
         """Judge these decisions, made after every one taken so far, in the order they were made."""
         fleet, open_, (taken_before, taken_after) = self.fleet, self.open, self.taken_out
+        known, learn = self.known, self._learn
         for decided in decisions:
-            after, stopped = fleet.apply(decided)
+            after, stopped = fleet.apply(decided, known.get(id(decided.after)) or learn(decided.after))
             if stopped is not None:
                 self.trips.append(_trip(decided, *stopped))
             its = open_.get(decided.incident)
             if its is None:
                 its = open_[decided.incident] = (self.incidents, [])
                 self.incidents += 1
-            its[1].append((decided, after))
-            before = decided.before
-            if _acted(decided.last, before) and takes_node_out(before):
+            before = known.get(id(decided.before)) or learn(decided.before)
+            its[1].append((decided, before, after))
+            # The flow acts on an incident's last decision, and on a diagnostic the ladder runs; triage's
+            # first answer is recorded too, but the final decision is what is done.
+            if before.takes_out and (decided.last or before.diagnose):
                 taken_before[decided.node] += 1
-            if _acted(decided.last, after) and takes_node_out(after):
+            if after.takes_out and (decided.last or after.diagnose):
                 taken_after[decided.node] += 1
             if decided.last:
                 self._close(decided.incident)
             self.decisions += 1
+
+    def _learn(self, outcome: Outcome) -> _Traits:
+        traits = self.known[id(outcome)] = _Traits.of(outcome)
+        return traits
 
     def report(self, parts: Sequence[Redecisions], since: datetime | None) -> ReplayReport:
         """The report on every decision taken, those of `parts` (which count what they rebuilt and
@@ -215,28 +224,50 @@ class Judge:
     def _close(self, incident: str) -> None:
         """Count an incident whose decisions have all been judged, and compare it with its record."""
         order, its = self.open.pop(incident)
-        final, after = its[-1]
-        self.actions[0][final.before.action.value] += 1
-        self.actions[1][after.action.value] += 1
-        self.rules[0][final.before.rule] += 1
-        self.rules[1][after.rule] += 1
-        if all(d.before.action is a.action and d.before.diagnose_level == a.diagnose_level for d, a in its):
+        final, before, after = its[-1]
+        self.actions[0][before.action] += 1
+        self.actions[1][after.action] += 1
+        self.rules[0][before.outcome.rule] += 1
+        self.rules[1][after.outcome.rule] += 1
+        if all(b.label == a.label for _, b, a in its):
             return  # the same steps, as most incidents' are
-        steps_before = _steps(decided.before for decided, _ in its)
-        steps_after = _steps(outcome for _, outcome in its)
+        steps_before = _steps(b.label for _, b, _ in its)
+        steps_after = _steps(a.label for _, _, a in its)
         if steps_before != steps_after:
             change = ChangedIncident(
                 incident=incident,
                 node=final.node,
                 decided_at=final.decided_at,
-                before=final.before,
-                after=after,
+                before=before.outcome,
+                after=after.outcome,
                 steps_before=steps_before,
                 steps_after=steps_after,
                 command=f"medic incident {incident}",
                 flow_run_id=final.flow_run_id,
             )
             self.changes.append((order, change))
+
+
+class _Traits(NamedTuple):
+    """What judging asks of an outcome, worked out once per outcome object: a replay's decisions share
+    a few dozen outcomes (medic/policy/replay.py), and asking each decision's again cost a fifth of
+    judging."""
+
+    outcome: Outcome  # held, so that no other outcome is given its id while it is known
+    action: str
+    label: str  # as an incident's steps show it
+    takes_out: bool
+    diagnose: bool
+
+    @classmethod
+    def of(cls, outcome: Outcome) -> _Traits:
+        return cls(
+            outcome,
+            outcome.action.value,
+            _step_label(outcome),
+            takes_node_out(outcome),
+            outcome.action is Action.DIAGNOSE,
+        )
 
 
 def _trip(decided: Redecided, guardrail: str, why: str) -> Trip:
@@ -251,12 +282,6 @@ def _trip(decided: Redecided, guardrail: str, why: str) -> Trip:
     )
 
 
-def _acted(last: bool, decision: Acting) -> bool:
-    """Whether the flow acted on a decision: the incident's last one, or a diagnostic the ladder runs.
-    Triage's first answer is recorded too, but the final decision is what is done."""
-    return last or decision.action is Action.DIAGNOSE
-
-
 class _Fleet:
     """The fleet as the new decisions would have left it: a node taken out stays out until a later
     decision returns it; a breaker the replay opens stays open until a human closed the real one."""
@@ -269,12 +294,14 @@ class _Fleet:
         self.taken_out: deque[tuple[datetime, str]] = deque()  # (when, node), oldest first
         self.closings = sorted(closed_at)
         self.tripped_at: datetime | None = None
+        self.escalated: dict[tuple[str, str], _Traits] = {}
 
-    def apply(self, decided: Redecided) -> tuple[Outcome, tuple[str, str] | None]:
+    def apply(self, decided: Redecided, traits: _Traits) -> tuple[_Traits, tuple[str, str] | None]:
         """The new decision as its guardrails let it be, and the guardrail that stopped it with why."""
-        now, fleet, decision = decided.decided_at, self.fleet, decided.after
+        decision = decided.after
         if decision.action in UNGUARDED:
-            return decision, None  # nothing stops it, and the fleet stays as it is (half of all decisions)
+            return traits, None  # nothing stops it, and the fleet stays as it is (half of all decisions)
+        now, fleet = decided.decided_at, self.fleet
         fleet.fleet_size = decided.fleet_size
         # Only the breaker reads when nodes went out, and only within its window: dropping the older
         # ones as the replay goes keeps each decision's check short over weeks of decisions.
@@ -289,19 +316,27 @@ class _Fleet:
             fleet.breaker_open = False  # a human closed the real breaker since the replayed one opened
         # Only a decision that takes a node out meets a fleet limit (docs/policy.md#guardrails): the
         # fleet's snapshot is taken for those alone.
-        state = fleet.state(now, now) if takes_node_out(decision) else FleetState(now)
+        state = fleet.state(now, now) if traits.takes_out else FleetState(now)
         stopped = guardrails.check(self.guardrails, state, decided.node, decision, decided.scope)
-        after = decision
+        after = traits
         if stopped is not None:  # escalated instead, as `guardrails.apply` turns a stopped decision
-            after = Outcome(rule=decision.rule, action=Action.ESCALATE, guardrail=stopped[0])
+            after = self._escalated(decision.rule, stopped[0])
             if stopped[0] == "circuit_breaker" and not fleet.breaker_open:
                 # Opened by any decision, as the flows open it.
                 self.tripped_at, fleet.breaker_open = now, True
-        if _acted(decided.last, after):
-            fleet.record(decided.node, now, after)
-            if takes_node_out(after):
+        if decided.last or after.diagnose:  # acted on (Judge.take)
+            fleet.record(decided.node, now, after.outcome)
+            if after.takes_out:
                 self.taken_out.append((now, decided.node))
         return after, stopped
+
+    def _escalated(self, rule: str, guardrail: str) -> _Traits:
+        """The outcome of `rule`'s decision stopped by `guardrail`: one for each pair."""
+        found = self.escalated.get((rule, guardrail))
+        if found is None:
+            outcome = Outcome(rule=rule, action=Action.ESCALATE, guardrail=guardrail)
+            found = self.escalated[rule, guardrail] = _Traits.of(outcome)
+        return found
 
 
 def _step_label(decision: Acting) -> str:
@@ -310,15 +345,14 @@ def _step_label(decision: Acting) -> str:
     return decision.action.value
 
 
-def _steps(decisions: Iterable[Acting]) -> list[str]:
+def _steps(labels: Iterable[str]) -> list[str]:
     """An incident's decisions as labels, a decision repeated at the next stage (triage's first
     answer, then the same final decision) once."""
-    labels: list[str] = []
-    for decision in decisions:
-        label = _step_label(decision)
-        if not labels or labels[-1] != label:
-            labels.append(label)
-    return labels
+    steps: list[str] = []
+    for label in labels:
+        if not steps or steps[-1] != label:
+            steps.append(label)
+    return steps
 
 
 def _counts(before: Counter[str], after: Counter[str]) -> dict[str, Count]:

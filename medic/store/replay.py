@@ -46,10 +46,10 @@ _EVENT_COLUMNS = [
 
 @dataclass(frozen=True, slots=True)
 class ReplaySplit:
-    """Where a replay's incidents split in two halves (medic/policy/replay.py, `decided_as_one`)."""
+    """Where a replay's incidents split in two parts (medic/policy/replay.py, `decided_as_one`)."""
 
     incidents: int  # replayed in all
-    middle: datetime  # the later half opened from then on
+    middle: datetime  # the later part opened from then on
 
 
 class ReplayMixin(EventsMixin):
@@ -116,8 +116,9 @@ class ReplayMixin(EventsMixin):
             end=end,
         )
 
-    def replay_split(self, since: datetime | None) -> ReplaySplit | None:
-        """Where the incidents opened since `since` split in two halves; None for fewer than two."""
+    def replay_split(self, since: datetime | None, share: float = 0.5) -> ReplaySplit | None:
+        """Where the incidents opened since `since` split in two parts, `share` of them (at least one)
+        in the earlier; None for fewer than two."""
         opened_at = col(IncidentRecord.opened_at)
         with self.engine.connect() as connection:
             count = connection.execute(
@@ -126,7 +127,10 @@ class ReplayMixin(EventsMixin):
             if count < 2:
                 return None
             middle = connection.execute(
-                _opened(select(opened_at), since, None).order_by(opened_at).offset(count // 2).limit(1)
+                _opened(select(opened_at), since, None)
+                .order_by(opened_at)
+                .offset(min(max(1, int(count * share)), count - 1))
+                .limit(1)
             ).scalar_one()
         return ReplaySplit(count, middle)
 
