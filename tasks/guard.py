@@ -147,6 +147,7 @@ def node_actions_slot(holder: UUID, wait_seconds: float = WAIT_SECONDS) -> Itera
             released.set()
             renewing.join()
             client.release_concurrency_slots_with_lease(lease)
+            _FREED.notify()
 
 
 def _renew(lease: UUID, released: threading.Event) -> None:
@@ -178,9 +179,36 @@ def _unused_tls() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
+class _Freed:
+    """Slots this process let go of, counted, with its waiters woken at each. A run or containment
+    waiting behind another's node action in the same process (every run of the embedded default,
+    a replica's in-process runs) asks again the moment the slot comes free, instead of sleeping
+    out the pause Prefect's Retry-After sets (up to MAX_PAUSE_S) between a fault and its drain.
+    Slots freed by other processes are still found by asking again after the pause."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self.count = 0
+
+    def notify(self) -> None:
+        with self._condition:
+            self.count += 1
+            self._condition.notify_all()
+
+    def wait(self, seconds: float, seen: int) -> None:
+        """Sleep `seconds`, or less when a slot is freed here after `seen` frees (at once if one was)."""
+        with self._condition:
+            if self.count == seen:
+                self._condition.wait(seconds)
+
+
+_FREED = _Freed()
+
+
 def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
     pause = 0.02
     while True:
+        seen = _FREED.count  # before asking: a slot freed while the answer comes back wakes the wait
         try:
             return _lease_of(_increment(client, holder))
         except httpx.HTTPStatusError as error:
@@ -189,7 +217,7 @@ def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise SlotBusy(f"no {NODE_ACTIONS_LIMIT} slot within the wait") from error
-            time.sleep(min(_retry_after(error.response, pause), MAX_PAUSE_S, left))
+            _FREED.wait(min(_retry_after(error.response, pause), MAX_PAUSE_S, left), seen)
             pause = min(pause * 2, 1.0)
 
 

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from prefect.client.orchestration import SyncPrefectClient
 
-from tasks.guard import INCREMENT_PATH, NODE_ACTIONS_LIMIT, _acquire
+from tasks.guard import _FREED, INCREMENT_PATH, MAX_PAUSE_S, NODE_ACTIONS_LIMIT, _acquire
 
 
 class _Busy(BaseHTTPRequestHandler):
@@ -22,11 +22,12 @@ class _Busy(BaseHTTPRequestHandler):
 
     answers: list[int] = []
     bodies: list[dict[str, object]] = []
+    held = threading.Event()  # set: another holds the slot (423, come back in 30 s)
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).bodies.append({"path": self.path, **body})
-        status = type(self).answers.pop(0) if type(self).answers else 200
+        status = type(self).answers.pop(0) if type(self).answers else 423 if type(self).held.is_set() else 200
         payload = (
             {"lease_id": str(uuid.uuid4()), "limits": [{"id": str(uuid.uuid4()), "name": NODE_ACTIONS_LIMIT}]}
             if status == 200
@@ -34,6 +35,8 @@ class _Busy(BaseHTTPRequestHandler):
         )
         data = json.dumps(payload).encode()
         self.send_response(status)
+        if status == 423:
+            self.send_header("Retry-After", "30")  # as Prefect's server spreads a busy limit's waiters
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -46,6 +49,7 @@ class _Busy(BaseHTTPRequestHandler):
 @pytest.fixture
 def busy_api() -> Iterator[str]:
     _Busy.answers, _Busy.bodies = [503, 503], []
+    _Busy.held.clear()
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Busy)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/api"
@@ -63,3 +67,27 @@ def test_a_busy_server_is_asked_again_after_milliseconds(busy_api: str) -> None:
     assert first["path"] == "/api" + INCREMENT_PATH
     assert (first["names"], first["slots"], first["mode"]) == ([NODE_ACTIONS_LIMIT], 1, "concurrency")
     assert first["holder"] == {"type": "flow_run", "id": str(holder)}
+
+
+def test_a_slot_freed_in_this_process_wakes_its_waiter_at_once(busy_api: str) -> None:
+    # Another run here holds the slot; the server says to come back in 30 s (asked again after
+    # MAX_PAUSE_S at most). Freed here, the slot is asked for again at once.
+    _Busy.answers = []
+    _Busy.held.set()
+    client = SyncPrefectClient(busy_api)
+    got: list[float] = []
+    started = time.monotonic()
+    waiter = threading.Thread(
+        target=lambda: (_acquire(client, uuid.uuid4(), started + 30), got.append(time.monotonic()))
+    )
+    waiter.start()
+    time.sleep(0.3)
+    assert not got and len(_Busy.bodies) == 1  # refused once, and waiting
+    _Busy.held.clear()
+    freed = time.monotonic()
+    _FREED.notify()  # as `node_actions_slot` does once its lease is released
+    waiter.join(10)
+    assert got and got[0] - freed < MAX_PAUSE_S / 2, (
+        f"asked again {got and got[0] - freed:.2f} s after the slot came free"
+    )
+    assert len(_Busy.bodies) == 2
