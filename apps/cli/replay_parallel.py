@@ -67,24 +67,23 @@ def replay_store(
     handed = _Handed(receive)
     coming = iter(handed)
     first = next(coming, None)
-    if first is not None and first.decided_at < split.middle:
-        # A decision recorded before its incident opened (a replica's clock behind): all judged again,
-        # in order, once every decision is here.
+    # A decision recorded before its incident opened (a replica's clock behind) cannot be merged in
+    # order: then all are judged again once every one is here. Otherwise the later part's decisions are
+    # judged as they come, while the other process still decides.
+    behind = first is not None and first.decided_at < split.middle
+    if behind:
         deque(coming, maxlen=0)
-        child.join()
-        later = handed.part()
-        if later is None or not decided_as_one([mine, later], lookback):
-            return replay(store.replay_history(since=since, lookback=lookback), loaded, since)
-        return judge([mine, later], loaded, earlier.breaker_closed_at, since)
-    # The later part's decisions judged as they come, while the other process still decides. Whether the
-    # two parts decided as one replay would is known at the end: when not, all this is thrown away.
-    later_decisions = coming if first is None else itertools.chain((first,), coming)
-    judging.take(heapq.merge(mine.decisions[ahead:], later_decisions))
+    else:
+        arriving = coming if first is None else itertools.chain((first,), coming)
+        judging.take(heapq.merge(mine.decisions[ahead:], arriving))
     later = handed.part()
-    if later is None or not decided_as_one([mine, later], lookback):
+    if later is None or not decided_as_one([mine, later], lookback):  # what was judged is thrown away
         child.join()
         return replay(store.replay_history(since=since, lookback=lookback), loaded, since)
-    report = judging.report([mine, later], since)
+    parts = [mine, later]
+    report = (
+        judge(parts, loaded, earlier.breaker_closed_at, since) if behind else judging.report(parts, since)
+    )
     child.join()  # only now: it has sent everything, and freeing what it holds takes it tenths of a second
     return report
 
