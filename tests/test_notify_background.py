@@ -142,7 +142,9 @@ def test_the_final_flush_is_bounded_and_gives_up_what_is_left(
 
     started = time.perf_counter()
     assert asyncio.run(story()) is False
-    assert time.perf_counter() - started < 1
+    # Unbounded, it would never end (a million failures to retry). The 0.3 s plus the give-up's records
+    # took 1.5 s once with the whole suite loading both cores: the bound leaves room for that.
+    assert time.perf_counter() - started < 3
     failed = [(s.stage, s.status, s.summary) for s in steps(sqlite_store, "inc-never")]
     assert [f[:2] for f in failed] == [("notify", "failed"), ("update", "failed")]
     assert (
