@@ -231,6 +231,30 @@ class FaultEvent(BaseModel):
 _REPEATED = ("source", "node", "job", "switch")
 # At most one per subset of the envelope's optional fields.
 _FIELDS_GIVEN: dict[frozenset[str], set[str]] = {}
+_new_event = FaultEvent.__new__
+_set = object.__setattr__  # frozen: set as pydantic sets it
+
+
+def validated_event(fields: dict[str, Any], given: frozenset[str]) -> FaultEvent:
+    """An event whose fields were validated before (read back from the store, or handed over by the
+    process that read them), built as pydantic builds a copy: its fields set directly.
+
+    `model_construct` would look up every field's aliases and defaults again, at three times the
+    cost, for each of the hundreds of thousands of events a replay or a triage builds. The names that
+    repeat are interned and the set of fields given is shared, as validation leaves them."""
+    for name in _REPEATED:
+        value = fields[name]
+        if value is not None:
+            fields[name] = sys.intern(value)
+    event = _new_event(FaultEvent)
+    _set(event, "__dict__", fields)
+    shared = _FIELDS_GIVEN.get(given)
+    if shared is None:
+        shared = _FIELDS_GIVEN.setdefault(given, set(given))
+    _set(event, "__pydantic_fields_set__", shared)
+    _set(event, "__pydantic_extra__", None)
+    _set(event, "__pydantic_private__", None)
+    return event
 
 
 def _too_deep(value: Any, limit: int) -> bool:

@@ -18,7 +18,7 @@ import heapq
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import Counter, deque
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Generator, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -243,7 +243,7 @@ class EventReader:
     def __exit__(self, *exc_info: object) -> None:
         self.handle.close()
 
-    def events(self, on_rejected: Callable[[Rejection], None]) -> Iterator[FaultEvent]:
+    def events(self, on_rejected: Callable[[Rejection], None]) -> Generator[FaultEvent]:
         """The events, in file order; a line that is not an event goes to `on_rejected` as it comes."""
         seen = _Ids()
         differential = Differential()  # as medic.intake.read_lines: culprits, not victims

@@ -299,7 +299,7 @@ def test_unreadable_events_file_exits_2_with_the_reason(
     def denied(path: Path) -> Any:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr("apps.cli.triage.read_file", denied)
+    monkeypatch.setattr("apps.cli.triage_parallel.read_file", denied)
     result = runner.invoke(app, ["triage", str(events), "--json"])
     assert result.exit_code == 2
     assert result.stdout == ""

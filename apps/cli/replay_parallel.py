@@ -13,7 +13,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import multiprocessing
-import os
 import queue
 import threading
 from bisect import bisect_left
@@ -24,6 +23,7 @@ from datetime import datetime
 from multiprocessing.connection import Connection
 from operator import attrgetter
 
+from apps.cli.forks import can_fork, cores
 from medic.policy import LoadedPolicy
 from medic.policy.replay import Redeciding, decided_as_one, redecide, replay
 from medic.policy.replay_report import Judge, Redecided, Redecisions, ReplayReport, judge
@@ -44,7 +44,7 @@ def replay_store(
 ) -> ReplayReport:
     """Replay the incidents opened since `since` (all when None) with `loaded`."""
     lookback = loaded.policy.lookback()
-    split = store.replay_split(since, EARLIER_SHARE) if _cores() >= 2 and _can_fork() else None
+    split = store.replay_split(since, EARLIER_SHARE) if cores() >= 2 and can_fork() else None
     if split is None or split.incidents < parallel_from:
         return replay(store.replay_history(since=since, lookback=lookback), loaded, since)
     forks = multiprocessing.get_context("fork")
@@ -150,14 +150,3 @@ class _Handed:
     def part(self) -> Redecisions | None:
         """Every decision received with the summary; None when the process died first."""
         return None if self.summary is None else replace(self.summary, decisions=self.received)
-
-
-def _cores() -> int:
-    """The cores this process may run on (what `nproc` prints)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _can_fork() -> bool:
-    # The later part's process starts as a copy of this one: with the policy loaded and the store open,
-    # not with a fresh interpreter importing everything again.
-    return "fork" in multiprocessing.get_all_start_methods()

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from sqlalchemy import ColumnElement, Select, String, Text, and_, cast, func, or_, select, type_coerce
 from sqlmodel import col
 
-from medic.events import EventKind, FaultEvent
+from medic.events import EventKind, FaultEvent, validated_event
 from medic.facts import HISTORY_WINDOW
 from medic.incidents import Scope
 from medic.policy.model import Action
@@ -204,20 +204,13 @@ def _json(value: str | dict[str, Any] | None) -> Any:
 
 
 _KINDS = {kind.value: kind for kind in EventKind}
-# Stored events were validated when accepted and are kept as FaultEvent dumps them: each is built as
-# pydantic builds a copy, its fields set directly. `model_construct` would look up every field's
-# aliases and defaults again for each of the hundreds of thousands of rows, at three times the cost.
+# Stored events were validated when accepted and are kept as FaultEvent dumps them.
 _FIELDS_SET = frozenset({"id", "time", "source", "kind", "node", "attributes"})
-_new_event = FaultEvent.__new__
-_set = object.__setattr__  # frozen: set as pydantic sets it
 
 
 def _event(row: Any) -> FaultEvent:
     id_, time, source, kind, node, gpu, job, rank, iteration, switch, attributes, _ = row
-    event = _new_event(FaultEvent)
-    _set(
-        event,
-        "__dict__",
+    return validated_event(
         {
             "id": id_,
             "time": _utc(time),
@@ -231,8 +224,5 @@ def _event(row: Any) -> FaultEvent:
             "switch": switch,
             "attributes": _json(attributes) or {},
         },
+        _FIELDS_SET,
     )
-    _set(event, "__pydantic_fields_set__", set(_FIELDS_SET))
-    _set(event, "__pydantic_extra__", None)
-    _set(event, "__pydantic_private__", None)
-    return event
