@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from forks_support import assert_helper_ends_with_its_parent
 from sqlalchemy import func, select, text, update
 from sqlmodel import col
 
@@ -277,3 +278,30 @@ def test_the_store_splits_by_opening_and_each_half_holds_its_own(store: Store) -
 
 def _own_events(history: History) -> set[str]:
     return {e.id for events in history.incident_events.values() for e in events}
+
+
+STUCK = """
+import sys, time
+import apps.cli.replay_parallel as parallel
+from medic.policy import load_policy
+from medic.store import Store
+parallel.HANDFUL = 5
+
+def stuck(*_):
+    print("ready", flush=True)
+    time.sleep(300)
+
+parallel.redecide = stuck
+parallel.replay_store(Store(sys.argv[1]), load_policy(sys.argv[2]), None, parallel_from=0)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+def test_the_forked_part_ends_when_this_process_is_killed(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'medic.db'}"
+    store = Store(url)
+    fill(store, load_policy(DEFAULT_POLICY), 2_000)  # the later part's decisions fill the pipe many times
+    store.close()
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK, encoding="utf-8")
+    assert_helper_ends_with_its_parent(script, url, str(DEFAULT_POLICY))

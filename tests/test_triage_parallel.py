@@ -11,6 +11,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
+from forks_support import assert_helper_ends_with_its_parent
 from typer.testing import CliRunner
 
 import apps.cli.triage_parallel as parallel
@@ -110,7 +111,7 @@ def test_a_reading_process_that_dies_fails_the_command_with_the_reason(
     path = tmp_path / "events.jsonl"
     path.write_text("\n".join(feed) + "\n", encoding="utf-8")
 
-    def dies(_: Path, send: Connection) -> None:
+    def dies(_: Path, receive: Connection, send: Connection) -> None:
         os._exit(3)  # before handing anything over: nothing may be triaged as if the file ended here
 
     monkeypatch.setattr(parallel, "PARALLEL_FROM", 0)
@@ -127,3 +128,31 @@ def test_a_stream_runs_without_full_collections_and_puts_them_back() -> None:
         assert gc.get_threshold() == (*before[:2], NEVER)
         raise RuntimeError("a stream that fails")
     assert gc.get_threshold() == before
+
+
+STUCK = """
+import sys, time
+import apps.cli.triage as triage
+import apps.cli.triage_parallel as parallel
+parallel.PARALLEL_FROM, parallel.HANDFUL, parallel.AHEAD = 0, 50, 1
+
+def stuck(events, *_):
+    next(iter(events))
+    print("ready", flush=True)
+    time.sleep(300)
+    yield from ()
+
+triage.stream = stuck
+from apps.cli.app import main
+sys.argv = ["medic", "triage", sys.argv[1], "--json"]
+main()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+def test_the_reading_process_ends_when_the_deciding_one_is_killed(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    generate(path, count=20_000, nodes=40, seed=5)
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK, encoding="utf-8")
+    assert_helper_ends_with_its_parent(script, str(path))

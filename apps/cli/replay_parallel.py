@@ -13,7 +13,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import multiprocessing
+import os
 import queue
+import signal
 import threading
 from bisect import bisect_left
 from collections import deque
@@ -53,7 +55,7 @@ def replay_store(
     # open: it reads from a further `lookback` earlier, for evidence that came late.
     later_start = split.middle - 2 * lookback
     child = forks.Process(
-        target=_decide_later, args=(store, loaded, split.middle, later_start, send), daemon=True
+        target=_decide_later, args=(store, loaded, split.middle, later_start, receive, send), daemon=True
     )
     child.start()
     send.close()
@@ -94,10 +96,19 @@ HANDFUL = 2_000
 
 
 def _decide_later(
-    store: Store, loaded: LoadedPolicy, middle: datetime, start: datetime, send: Connection
+    store: Store,
+    loaded: LoadedPolicy,
+    middle: datetime,
+    start: datetime,
+    receive: Connection,
+    send: Connection,
 ) -> None:
     """The forked process: the later part's history decided again, handed back as they are made, then
     what they read."""
+    # Its copy of the reading end closed: should the other process die, sending fails instead of
+    # blocking for good once the pipe is full. Ctrl-C is the other's to handle.
+    receive.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     store.engine.dispose(close=False)  # the parent's connections stay the parent's
     history = store.replay_history(since=middle, lookback=loaded.policy.lookback(), start=start)
     deciding = Redeciding(history, loaded)
@@ -121,8 +132,11 @@ def _decide_later(
 
 
 def _send_all(outbox: queue.SimpleQueue[object], send: Connection) -> None:
-    while (message := outbox.get()) is not None:
-        send.send(message)
+    try:
+        while (message := outbox.get()) is not None:
+            send.send(message)
+    except OSError:  # the other process is gone: nobody is left to decide for
+        os._exit(1)
     send.close()
 
 

@@ -9,8 +9,10 @@ order, so the output is the same (BENCHMARKS.md, section 2a)."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import pickle
 import queue
+import signal
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -73,7 +75,7 @@ class ForkedReader:
         Raises `ReadingFailed` when the reading process dies."""
         forks = multiprocessing.get_context("fork")
         receive, send = forks.Pipe(duplex=False)
-        child = forks.Process(target=_read, args=(self.path, send), daemon=True)
+        child = forks.Process(target=_read, args=(self.path, receive, send), daemon=True)
         child.start()
         send.close()
         try:
@@ -96,14 +98,19 @@ class ForkedReader:
                     else:
                         yield validated_event(*item)
         finally:
-            receive.close()
-            # Done, or given up on (an event out of order, an error downstream): it has nothing more to do.
+            # Done, or given up on (an event out of order, an error, Ctrl-C): it has nothing more to do.
+            # Stopped before the pipe closes, so that it never finds the pipe broken and says so.
             child.terminate()
             child.join()
+            receive.close()
 
 
-def _read(path: Path, send: Connection) -> None:
+def _read(path: Path, receive: Connection, send: Connection) -> None:
     """The forked process: the file read as `EventReader` reads it, handed over a handful at a time."""
+    # Its copy of the reading end closed: should the other process die, sending fails instead of
+    # blocking for good once the pipe is full. Ctrl-C is the other's to handle: it stops this one.
+    receive.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Sent by a thread, so that reading goes on while this process's handfuls wait for the other to
     # take them: the work of a handful varies on both sides (a burst of bad lines here, a storm of
     # decisions there), and a process that waits for each hand-over waits on the slower of the two.
@@ -131,8 +138,11 @@ def _pickled(message: object) -> bytes:
 
 
 def _send_all(outbox: queue.Queue[bytes | None], send: Connection) -> None:
-    while (message := outbox.get()) is not None:
-        send.send_bytes(message)
+    try:
+        while (message := outbox.get()) is not None:
+            send.send_bytes(message)
+    except OSError:  # the other process is gone: nobody is left to read for
+        os._exit(1)
     send.close()
 
 
