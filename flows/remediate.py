@@ -287,7 +287,7 @@ async def remediate(incident_id: str, node: str) -> Outcome:
             logger.error("job %s did not resume: %s", job, job_state.message)
 
     verified = None
-    if acted.status == ActStatus.DONE and decision.action in DESTRUCTIVE:
+    if acted.verified_here(incident_id) and decision.action in DESTRUCTIVE:
         # The deep checks a replacement or repair requires can take hours (DCGM level 4, an
         # all-reduce): the task's limit is theirs.
         policy = current().policy().policy

@@ -24,10 +24,20 @@ class ActOutcome(BaseModel):
     action: Action
     status: ActStatus
     detail: str
+    done_by: str | None = None  # already done: the incident whose run carried the action out
 
     @property
     def took_node_out(self) -> bool:
         return self.status in ACT_DONE_STATUSES and self.action in DESTRUCTIVE | {Action.DRAIN}
+
+    def verified_here(self, incident_id: str) -> bool:
+        """Whether this run of `incident_id` verifies the node and brings it back: the action was
+        carried out now, or by an earlier run of the same incident that ended before it could (a
+        crash, a replica killed), which nobody else will finish. Another incident's action is
+        that incident's run to verify."""
+        if self.status == ActStatus.ALREADY_DONE:
+            return self.done_by == incident_id
+        return self.status == ActStatus.DONE
 
 
 def _stopped(action: Action, stopped: tuple[str, str]) -> ActOutcome:
@@ -78,6 +88,7 @@ def _claimed_before(action: Action, node: str, row: ActionRecord) -> ActOutcome:
             action=action,
             status=ActStatus.ALREADY_DONE,
             detail=f"{row.action} already done for this fault (incident {row.incident_id}): {row.detail}",
+            done_by=row.incident_id,
         )
     # An earlier attempt died between intent and outcome (reconciliation could not tell whether
     # the node was hit), or another run is at it right now: repeating it blind is worse than asking.

@@ -218,7 +218,16 @@ def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
             if left <= 0:
                 raise SlotBusy(f"no {NODE_ACTIONS_LIMIT} slot within the wait") from error
             _FREED.wait(min(_retry_after(error.response, pause), MAX_PAUSE_S, left), seen)
-            pause = min(pause * 2, 1.0)
+        except httpx.TransportError:
+            # No answer: a pooled connection the server closed as the request went out (a keep-alive
+            # race, seen under load), or the API briefly away. Prefect's own client sends these again,
+            # and so does this loop until the wait is over. Should a lease have been granted and its
+            # answer lost, the slot only looks busy until that lease expires: no action is taken twice.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            _FREED.wait(min(pause, left), seen)
+        pause = min(pause * 2, 1.0)
 
 
 def _increment(client: SyncPrefectClient, holder: UUID) -> httpx.Response:

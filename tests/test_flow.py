@@ -367,3 +367,47 @@ def test_a_reboot_never_seen_to_happen_escalates_with_the_node_held(
     # Still out of service, as the reboot left it: nothing resumed it.
     assert training.nodes["gpu-node-1"].state is NodeState.REBOOTING
     assert "resume" not in node_calls(training, "gpu-node-1")
+
+
+def test_a_run_that_died_after_its_reboot_is_finished_by_the_next(
+    runtime: Runtime, training: SimFleet, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A replica killed between the reboot and its verification: the incident's next run finds the
+    reboot done (not repeated) and verifies and brings the node back, rather than closing with the node
+    left out of service. (With a node cooldown, the next run's decision is stopped by the incident's
+    own reboot instead, and it escalates with the node held.)"""
+    import flows.remediate as remediate_flow
+
+    runtime.policy_path = tmp_path / "policy.yaml"
+    runtime.policy_path.write_text(
+        (REPO_ROOT / "policies" / "default.yaml")
+        .read_text()
+        .replace("node_cooldown_minutes: 30", "node_cooldown_minutes: 0")
+    )
+    events = [line(1, "xid", "gpu-node-1", job="llm", attributes={"code": 79})]
+    intake = read_lines(events, "x.jsonl")
+    incident_id = _incident_id(intake)
+
+    class Died:
+        def with_options(self, **_: object) -> Any:
+            def died(*_: object) -> None:
+                raise RuntimeError("the replica was killed here")
+
+            return died
+
+    with monkeypatch.context() as crash:
+        crash.setattr(remediate_flow, "verify", Died())
+        first = asyncio.run(remediate_all(runtime, intake))
+    assert first.outcomes == [] and first.failed
+    assert node_calls(training, "gpu-node-1").count("reboot") == 1
+    record = runtime.store.get_incident(incident_id)
+    assert record is not None and record.status not in ("closed", "escalated")
+
+    again = asyncio.run(remediate(incident_id=incident_id, node="gpu-node-1"))
+    assert again.act == "already-done"
+    assert again.verified is not None and again.verified.passed, again.summary
+    assert "resumed gpu-node-1" in again.verified.detail
+    assert node_calls(training, "gpu-node-1").count("reboot") == 1
+    assert training.nodes["gpu-node-1"].state is not NodeState.DRAINED
+    record = runtime.store.get_incident(incident_id)
+    assert record is not None and record.status == "closed"

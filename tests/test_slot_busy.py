@@ -4,16 +4,21 @@
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from prefect.client.orchestration import SyncPrefectClient
 
 from tasks.guard import _FREED, INCREMENT_PATH, MAX_PAUSE_S, NODE_ACTIONS_LIMIT, _acquire
+
+RESET = 0  # an answer of none: the connection reset
 
 
 class _Busy(BaseHTTPRequestHandler):
@@ -28,6 +33,12 @@ class _Busy(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).bodies.append({"path": self.path, **body})
         status = type(self).answers.pop(0) if type(self).answers else 423 if type(self).held.is_set() else 200
+        if status == RESET:
+            # No answer, the connection reset: what a client sees when the server lets go of a
+            # kept-alive connection just as a request goes out on it.
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            return
         payload = (
             {"lease_id": str(uuid.uuid4()), "limits": [{"id": str(uuid.uuid4()), "name": NODE_ACTIONS_LIMIT}]}
             if status == 200
@@ -91,3 +102,16 @@ def test_a_slot_freed_in_this_process_wakes_its_waiter_at_once(busy_api: str) ->
         f"asked again {got and got[0] - freed:.2f} s after the slot came free"
     )
     assert len(_Busy.bodies) == 2
+
+
+def test_a_connection_reset_is_asked_again_within_the_wait(busy_api: str) -> None:
+    _Busy.answers = [RESET, RESET, 503]
+    lease = _acquire(SyncPrefectClient(busy_api), uuid.uuid4(), time.monotonic() + 30)
+    assert lease and len(_Busy.bodies) == 4
+
+
+def test_connection_resets_for_the_whole_wait_are_not_taken_for_a_slot(busy_api: str) -> None:
+    _Busy.answers = [RESET] * 1_000
+    with pytest.raises(httpx.TransportError):
+        _acquire(SyncPrefectClient(busy_api), uuid.uuid4(), time.monotonic() + 0.5)
+    assert 2 <= len(_Busy.bodies) < 1_000
