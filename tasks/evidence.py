@@ -78,11 +78,21 @@ def counted_out_of_service(nodes: list[NodeInfo], *, by_others: bool) -> frozens
     return frozenset(n.name for n in nodes if n.drained_by_medic)
 
 
-def fleet_state(rt: Runtime, policy: Policy, now: datetime, nodes: list[NodeInfo]) -> FleetState:
-    """The fleet as the guardrails must see it: the scheduler's nodes and our recorded actions."""
+def fleet_state(
+    rt: Runtime, policy: Policy, now: datetime, nodes: list[NodeInfo], incident_id: str | None = None
+) -> FleetState:
+    """The fleet as the guardrails must see it: the scheduler's nodes and our recorded actions.
+
+    For a decision on `incident_id`, that incident's own destructive actions are not counted: one
+    its earlier run carried out before it died is the same fault's action, which `act` finds done
+    and never repeats, not another that the hourly cap and the node's cooldown hold back."""
     rails = policy.guardrails
     cooldown = timedelta(minutes=rails.node_cooldown_minutes or 0)
-    destructive = rt.store.actions_since(now - max(HOUR, cooldown), [a.value for a in DESTRUCTIVE])
+    destructive = [
+        a
+        for a in rt.store.actions_since(now - max(HOUR, cooldown), [a.value for a in DESTRUCTIVE])
+        if incident_id is None or a.incident_id != incident_id
+    ]
     window = timedelta(minutes=rails.circuit_breaker.window_minutes if rails.circuit_breaker else 0)
     drains = rt.store.actions_since(now - window, ["drain"])
     # A sweep's reservation keeps jobs off its nodes as a drain does, though the scheduler shows
@@ -121,7 +131,7 @@ def evaluate(rt: Runtime, incident_id: str) -> Decision:
         context=context,
         gpu_history=gpu_history(rt, incident, policy, now),
     )
-    state = fleet_state(rt, policy, now, nodes)
+    state = fleet_state(rt, policy, now, nodes, incident_id)
     decision = guardrails.apply(
         policy.guardrails, state, incident.node, decide(policy, facts, loaded.sha256), incident.scope
     )

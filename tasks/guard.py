@@ -88,7 +88,7 @@ def guarded(
 
     def recheck() -> tuple[str, str] | None:
         policy = rt.policy().policy
-        state = fleet_state(rt, policy, utcnow(), rt.backends.scheduler.nodes())
+        state = fleet_state(rt, policy, utcnow(), rt.backends.scheduler.nodes(), decision.incident)
         stopped = guardrails.check(policy.guardrails, state, node, decision)
         record_breaker_trip(rt, state, stopped, decision.incident)
         return stopped

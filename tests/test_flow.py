@@ -370,20 +370,14 @@ def test_a_reboot_never_seen_to_happen_escalates_with_the_node_held(
 
 
 def test_a_run_that_died_after_its_reboot_is_finished_by_the_next(
-    runtime: Runtime, training: SimFleet, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    runtime: Runtime, training: SimFleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A replica killed between the reboot and its verification: the incident's next run finds the
     reboot done (not repeated) and verifies and brings the node back, rather than closing with the node
-    left out of service. (With a node cooldown, the next run's decision is stopped by the incident's
-    own reboot instead, and it escalates with the node held.)"""
+    left out of service. The default policy's node cooldown does not count the incident's own reboot
+    against it."""
     import flows.remediate as remediate_flow
 
-    runtime.policy_path = tmp_path / "policy.yaml"
-    runtime.policy_path.write_text(
-        (REPO_ROOT / "policies" / "default.yaml")
-        .read_text()
-        .replace("node_cooldown_minutes: 30", "node_cooldown_minutes: 0")
-    )
     events = [line(1, "xid", "gpu-node-1", job="llm", attributes={"code": 79})]
     intake = read_lines(events, "x.jsonl")
     incident_id = _incident_id(intake)
