@@ -216,3 +216,12 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("credentials in log records", red=True)
         for found in _credentials_in_logs.found:
             terminalreporter.line(found)
+
+
+@pytest.fixture
+def cli_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """For a CLI command run in-process: the shipped policy, a home of the test's own, and lines wide
+    enough that rich never folds a file name in two."""
+    monkeypatch.delenv("MEDIC_POLICY", raising=False)
+    monkeypatch.setenv("MEDIC_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("COLUMNS", "400")

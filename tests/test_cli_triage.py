@@ -31,12 +31,7 @@ ACTIONS = {"none", "diagnose", "reset_gpu", "reboot", "replace", "drain", "reint
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True)
-def _cli_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    # The shipped policy, and lines wide enough that rich never folds a file name in two.
-    monkeypatch.delenv("MEDIC_POLICY", raising=False)
-    monkeypatch.setenv("MEDIC_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("COLUMNS", "400")
+pytestmark = pytest.mark.usefixtures("cli_env")
 
 
 def ev(event_id: str, kind: str, **fields: Any) -> str:

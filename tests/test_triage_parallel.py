@@ -22,11 +22,7 @@ from bench.triage import generate
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True)
-def _cli_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("MEDIC_POLICY", raising=False)
-    monkeypatch.setenv("MEDIC_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("COLUMNS", "400")
+pytestmark = pytest.mark.usefixtures("cli_env")
 
 
 @pytest.fixture(scope="module")

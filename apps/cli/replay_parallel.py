@@ -13,9 +13,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import multiprocessing
-import os
 import queue
-import signal
 import threading
 from bisect import bisect_left
 from collections import deque
@@ -25,7 +23,7 @@ from datetime import datetime
 from multiprocessing.connection import Connection
 from operator import attrgetter
 
-from apps.cli.forks import can_fork, cores
+from apps.cli.forks import can_fork, cores, detach, hand_over
 from medic.policy import LoadedPolicy
 from medic.policy.replay import Redeciding, decided_as_one, redecide, replay
 from medic.policy.replay_report import Judge, Redecided, Redecisions, ReplayReport, judge
@@ -105,10 +103,7 @@ def _decide_later(
 ) -> None:
     """The forked process: the later part's history decided again, handed back as they are made, then
     what they read."""
-    # Its copy of the reading end closed: should the other process die, sending fails instead of
-    # blocking for good once the pipe is full. Ctrl-C is the other's to handle.
-    receive.close()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    detach(receive)
     store.engine.dispose(close=False)  # the parent's connections stay the parent's
     history = store.replay_history(since=middle, lookback=loaded.policy.lookback(), start=start)
     deciding = Redeciding(history, loaded)
@@ -116,7 +111,7 @@ def _decide_later(
     # the other, still deciding its own part, has not begun to read.
     outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
     # A daemon: should deciding fail, the process ends and the other reads the end of the pipe.
-    sender = threading.Thread(target=_send_all, args=(outbox, send), daemon=True)
+    sender = threading.Thread(target=hand_over, args=(outbox.get, send.send, send), daemon=True)
     sender.start()
     handful: list[tuple[object, ...]] = []
     for decided in deciding:
@@ -129,15 +124,6 @@ def _decide_later(
     outbox.put(deciding.summary(()))
     outbox.put(None)
     sender.join()
-
-
-def _send_all(outbox: queue.SimpleQueue[object], send: Connection) -> None:
-    try:
-        while (message := outbox.get()) is not None:
-            send.send(message)
-    except OSError:  # the other process is gone: nobody is left to decide for
-        os._exit(1)
-    send.close()
 
 
 class _Handed:

@@ -9,10 +9,8 @@ order, so the output is the same (BENCHMARKS.md, section 2a)."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
 import queue
-import signal
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -20,7 +18,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from apps.cli.forks import can_fork, cores
+from apps.cli.forks import can_fork, cores, detach, hand_over
 from medic.errors import MedicError
 from medic.events import FaultEvent, validated_event
 from medic.intake import Rejection
@@ -107,15 +105,12 @@ class ForkedReader:
 
 def _read(path: Path, receive: Connection, send: Connection) -> None:
     """The forked process: the file read as `EventReader` reads it, handed over a handful at a time."""
-    # Its copy of the reading end closed: should the other process die, sending fails instead of
-    # blocking for good once the pipe is full. Ctrl-C is the other's to handle: it stops this one.
-    receive.close()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    detach(receive)
     # Sent by a thread, so that reading goes on while this process's handfuls wait for the other to
     # take them: the work of a handful varies on both sides (a burst of bad lines here, a storm of
     # decisions there), and a process that waits for each hand-over waits on the slower of the two.
     outbox: queue.Queue[bytes | None] = queue.Queue(maxsize=AHEAD)
-    sender = threading.Thread(target=_send_all, args=(outbox, send), daemon=True)
+    sender = threading.Thread(target=hand_over, args=(outbox.get, send.send_bytes, send), daemon=True)
     sender.start()
     handful: list[Any] = []
     given: dict[frozenset[str], frozenset[str]] = {}  # one object each: pickled once per handful
@@ -135,15 +130,6 @@ def _read(path: Path, receive: Connection, send: Connection) -> None:
 
 def _pickled(message: object) -> bytes:
     return pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
-
-
-def _send_all(outbox: queue.Queue[bytes | None], send: Connection) -> None:
-    try:
-        while (message := outbox.get()) is not None:
-            send.send_bytes(message)
-    except OSError:  # the other process is gone: nobody is left to read for
-        os._exit(1)
-    send.close()
 
 
 def _exit_code(child: multiprocessing.process.BaseProcess) -> int | None:
