@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing
+import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta, timezone
-from threading import Barrier
+from pathlib import Path
+from threading import Barrier, Timer
 from typing import Any
 
 import pytest
@@ -370,6 +372,25 @@ def test_sqlite_runs_in_wal_mode(sqlite_store: Store) -> None:
     with sqlite_store.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 10000
+
+
+def test_a_new_sqlite_store_opens_while_another_process_writes_it(tmp_path: Path) -> None:
+    # What replicas starting together meet: one is migrating the new file, still in rollback-journal
+    # mode, and SQLite answers the others' switch to WAL "database is locked" without waiting.
+    path = tmp_path / "medic.db"
+    writer = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    writer.execute("CREATE TABLE another_writer (i INTEGER)")
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("INSERT INTO another_writer VALUES (1)")
+    commit = Timer(0.3, writer.execute, ["COMMIT"])
+    commit.start()
+    store = Store(f"sqlite:///{path}")
+    commit.join()
+    writer.close()
+    with store.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("SELECT i FROM another_writer").scalars().all() == [1]
+    store.close()
 
 
 def _answer_at_once(url: str, approved: bool, start: Any, results: Any) -> None:

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.pool import NullPool
 
 from medic.errors import PermanentError
+from medic.store import sqlite
 from medic.store.chain import ChainKey
 from medic.store.migrations import baseline
 
@@ -95,7 +96,7 @@ def _exclusive(engine: Engine) -> Iterator[Connection]:
     @sa_event.listens_for(exclusive, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None
-        dbapi_connection.execute(f"PRAGMA busy_timeout={_SQLITE_WAIT_MS}")
+        sqlite.prepare(dbapi_connection, busy_timeout_ms=_SQLITE_WAIT_MS)
 
     @sa_event.listens_for(exclusive, "begin")
     def _on_begin(connection: Connection) -> None:
