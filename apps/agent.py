@@ -20,8 +20,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from integrations.kernel_log import KernelLog, KernelSxid, KernelXid, parse_sxid, parse_xid
-from integrations.nvml import (
+from medic.ageing import COUNTERS_ATTRIBUTE
+from medic.events import EventKind, FaultEvent
+from medic.facts import NVLINK_ERRORS_CHECK, SXID_CHECK
+from medic.integrations.kernel_log import KernelLog, KernelSxid, KernelXid, parse_sxid, parse_xid
+from medic.integrations.nvml import (
     EccCounts,
     GpuSnapshot,
     NodeSnapshot,
@@ -29,10 +32,7 @@ from integrations.nvml import (
     RowRemap,
     Unavailable,
 )
-from integrations.sinks import EventSink
-from medic.ageing import COUNTERS_ATTRIBUTE
-from medic.events import EventKind, FaultEvent
-from medic.facts import NVLINK_ERRORS_CHECK, SXID_CHECK
+from medic.integrations.sinks import EventSink
 
 log = logging.getLogger(__name__)
 
@@ -385,7 +385,10 @@ class Agent:
         """Whether NVML reports an XID whose kernel-log line has been seen neither now nor recently."""
         if self.kernel_log is None:
             return False
-        lines = {(self.pci_to_gpu.get(x.pci_bus_id), x.code) for x in kernel}
+        # (GPU index, or None for a bus NVML did not enumerate, or a sighting's PCI bus id; XID code)
+        lines: set[tuple[int | str | None, int]] = {
+            (self.pci_to_gpu.get(x.pci_bus_id), x.code) for x in kernel
+        }
         lines |= {s.key for s in self.sightings if s.source == "kernel_log"}
         return any((x.gpu, x.code) not in lines for x in nvml)
 

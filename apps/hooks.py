@@ -1,8 +1,8 @@
 """Slurm hooks: checks of this node's GPUs, reported to GPU Medic (docs/agent.md).
 
-    python -m apps.hooks prolog        # Prolog: the preflight (NVML quick checks, then DCGM level 1)
-    python -m apps.hooks epilog        # Epilog: DCGM level 2, only after a job that failed
-    python -m apps.hooks healthcheck   # HealthCheckProgram: DCGM level 1
+    python -m medic.apps.hooks prolog        # Prolog: the preflight (NVML quick checks, then DCGM level 1)
+    python -m medic.apps.hooks epilog        # Epilog: DCGM level 2, only after a job that failed
+    python -m medic.apps.hooks healthcheck   # HealthCheckProgram: DCGM level 1
 
 deployments/slurm/medic-*.sh call this with PATH and Python set (Slurm gives hooks no PATH).
 Events go where the agent's do: $MEDIC_EVENTS_FILE, else $MEDIC_URL (+ $MEDIC_TOKEN), else stdout.
@@ -29,24 +29,24 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from integrations import nvml_preflight
-from integrations.dcgm.diagnostics import DcgmDiagnostics
-from integrations.dcgm.runner import DEFAULT_TERM_GRACE_S, LocalRunner
-from integrations.nvml import Unavailable, snapshot
-from integrations.sinks import sink_from
-from integrations.slurm import SlurmCli, SlurmError, SlurmScheduler
 from medic import preflight
 from medic.events import EventKind, FaultEvent
+from medic.integrations import nvml_preflight
+from medic.integrations.dcgm.diagnostics import DcgmDiagnostics
+from medic.integrations.dcgm.runner import DEFAULT_TERM_GRACE_S, LocalRunner
+from medic.integrations.nvml import Unavailable, snapshot
+from medic.integrations.sinks import sink_from
+from medic.integrations.slurm import SlurmCli, SlurmError, SlurmScheduler
 from medic.preflight import Failure, Verdict
 from medic.protocols import DiagnosticResult
 
-log = logging.getLogger("apps.hooks")
+log = logging.getLogger("medic.apps.hooks")
 
 SOURCE = "slurm"
 LEVELS = {"prolog": 1, "epilog": 2, "healthcheck": 1}
 # dcgmi's own run times are ~10 s (level 1) and ~2 min (level 2); past these something hangs.
 DEFAULT_TIMEOUT_S = {1: 120.0, 2: 600.0}
-USAGE = "usage: python -m apps.hooks prolog|epilog|healthcheck"
+USAGE = "usage: python -m medic.apps.hooks prolog|epilog|healthcheck"
 # A failed preflight in a fail-closed prolog; deployments/slurm/medic-hook.sh turns it into 1 and
 # every other non-zero status (a crash, a Python without GPU Medic) into 0.
 FAIL_CLOSED = 10

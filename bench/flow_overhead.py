@@ -26,8 +26,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from bench import REPO_ROOT
 from bench.report import Stats, ms, num, table
-from medic.config import REPO_ROOT
 
 INCIDENTS = 20
 TASK_RUNS = 7  # per incident on this path: triage, decide, act, resume job, verify, notify, close
@@ -48,7 +48,7 @@ def _policy_without_guardrails(directory: Path) -> Path:
 
 def _scenario(count: int, tag: str) -> tuple[Any, list[str]]:
     """A fleet with `count` 2-node jobs plus spares, and event lines: one XID 79 burst per job's first node."""
-    from integrations.sim.fleet import SimFleet
+    from medic.integrations.sim.fleet import SimFleet
 
     fleet = SimFleet.build(nodes=2 * count + 4)
     now = datetime.now(UTC) - timedelta(minutes=2)
@@ -75,11 +75,11 @@ def _scenario(count: int, tag: str) -> tuple[Any, list[str]]:
 
 def _setup(count: int, tag: str, directory: Path) -> tuple[Any, list[Any]]:
     """A fresh store, fleet and Runtime (configured as current), with the incidents recorded."""
-    from flows.dispatch import record
-    from integrations import registry
+    from medic.flows.dispatch import record
     from medic.intake import read_lines
+    from medic.integrations import registry
     from medic.store import Store
-    from tasks.runtime import Runtime, configure
+    from medic.tasks.runtime import Runtime, configure
 
     fleet, lines = _scenario(count, tag)
     backends, _ = registry.simulated(fleet)
@@ -92,19 +92,19 @@ def _setup(count: int, tag: str, directory: Path) -> tuple[Any, list[Any]]:
 
 def remediate_direct(incident_id: str, node: str) -> Any:
     """flows/remediate.py's `remediate`, stage for stage, with Prefect bypassed (task `.fn`s)."""
-    from flows.ladder import MAX_STEPS
-    from flows.remediate import _evidence, _message, _summary, closing_status, outcome_of
     from medic.audit import incident_markdown
+    from medic.flows.ladder import MAX_STEPS
+    from medic.flows.remediate import _evidence, _message, _summary, closing_status, outcome_of
     from medic.policy import Action
     from medic.policy.model import DESTRUCTIVE
-    from tasks.act import ActOutcome, act
-    from tasks.close import close
-    from tasks.decide import decide_incident
-    from tasks.diagnose import diagnose
-    from tasks.resume import resume_job
-    from tasks.runtime import current
-    from tasks.triage import triage
-    from tasks.verify import verify
+    from medic.tasks.act import ActOutcome, act
+    from medic.tasks.close import close
+    from medic.tasks.decide import decide_incident
+    from medic.tasks.diagnose import diagnose
+    from medic.tasks.resume import resume_job
+    from medic.tasks.runtime import current
+    from medic.tasks.triage import triage
+    from medic.tasks.verify import verify
 
     triaged = triage.fn(incident_id)
     decision, seen = triaged.decision, []
@@ -168,10 +168,10 @@ def _check(rt: Any, outcome: Any, incident_id: str) -> None:
 def measure(out: Path, count: int = INCIDENTS) -> None:
     """Both paths, in this process; results as JSON in `out`."""
     started = time.perf_counter()
-    importlib.import_module("flows.remediate")  # imports Prefect: part of the cold start
+    importlib.import_module("medic.flows.remediate")  # imports Prefect: part of the cold start
     import_s = time.perf_counter() - started
-    from apps.cli.prefect_run import run_flows
-    from flows.remediate import remediate
+    from medic.apps.cli.prefect_run import run_flows
+    from medic.flows.remediate import remediate
 
     work = Path(os.environ["MEDIC_BENCH_DIR"])
     results: dict[str, Any] = {"incidents": count, "import_s": import_s}
@@ -290,7 +290,7 @@ def section(r: dict[str, Any]) -> str:
             "",
             f"{r['incidents']} incidents per path, each an XID 79 on a distinct node of a simulated fleet",
             "running a 2-node job, so the full path runs: triage → decide → act (drain + reboot) → resume",
-            "job → verify (DCGM L1, resume node) → notify → close. (a) runs `flows.remediate.remediate` per",
+            "job → verify (DCGM L1, resume node) → notify → close. (a) runs `medic.flows.remediate.remediate` per",
             "incident; (b) runs `bench.flow_overhead.remediate_direct`, the same stage order calling each",
             "task's undecorated `.fn` (no task runs, states, tags, artifact or API calls). Each path has its",
             "own fresh fleet, temporary SQLite store and one uncounted warm-up incident, in one process",
@@ -312,7 +312,7 @@ def section(r: dict[str, Any]) -> str:
                         "first flow run, incl. starting the temporary Prefect server (not counted above)",
                         num(r["cold_s"]),
                     ],
-                    ["importing `flows.remediate` (Prefect included)", num(r["import_s"])],
+                    ["importing `medic.flows.remediate` (Prefect included)", num(r["import_s"])],
                     ["whole flow phase incl. server stop and event/log drain", num(r["flow_total_s"])],
                     ["whole benchmark process", num(r["process_s"])],
                 ],

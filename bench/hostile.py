@@ -38,11 +38,11 @@ from typing import Any
 
 import httpx
 
+from bench import REPO_ROOT
 from bench.ingest import _free_port, _wait_ready
 from bench.report import ms, num, table
 from bench.sentry import MEDIC_SERVE
 from bench.sentry import server_env as sentry_env
-from medic.config import REPO_ROOT
 
 MALFORMED = 3000
 CONNECTIONS = 8
@@ -262,7 +262,7 @@ def near_misses(size: int) -> str:
 
 
 def _sentry_big(url: str) -> dict[str, Any]:
-    from apps.server.sentry import translate
+    from medic.apps.server.sentry import translate
 
     payload = json.loads((REPO_ROOT / "tests" / "fixtures" / "sentry" / "event_alert_nan.json").read_text())
     event = payload["data"]["event"]

@@ -1,6 +1,6 @@
 """Sustained ingest throughput of `medic serve` over real HTTP.
 
-A real uvicorn server (`apps.server.main.serve`, as `medic serve` runs it, access log on)
+A real uvicorn server (`medic.apps.server.main.serve`, as `medic serve` runs it, access log on)
 in its own process on 127.0.0.1 with a SQLite store in a temporary directory; a client in
 this process posts JSON arrays of BATCH events over CONNECTIONS keep-alive connections.
 Every request is answered only after its events are committed, so events/s is the durable
@@ -130,7 +130,7 @@ def run(
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "MEDIC_DATABASE_URL": database, "MEDIC_INGEST_TOKENS": TOKEN}
-        code = f"from apps.server.main import serve; serve(port={port})"
+        code = f"from medic.apps.server.main import serve; serve(port={port})"
         log = Path(tmp) / "server.log"
         with log.open("wb") as output:
             server = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=output, stderr=output)

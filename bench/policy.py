@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
+from bench import REPO_ROOT
 from bench.report import Stats, num, rate, table
-from medic.config import REPO_ROOT
 from medic.events import FaultEvent
 from medic.facts import Facts, facts_of
 from medic.incidents import Incident, correlate

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import REPO_ROOT
 from bench.report import Stats, ms, num, table
-from integrations.dcgm.runner import DEFAULT_TERM_GRACE_S
-from medic.config import REPO_ROOT
+from medic.integrations.dcgm.runner import DEFAULT_TERM_GRACE_S
 from medic.preflight import DEFAULT_BUDGET_S
 
 # The shim, its state and the recorded node live with the tests that use them most.
@@ -35,7 +35,7 @@ DCGMI = REPO_ROOT / "tests" / "fixtures" / "dcgm"
 # Times the quick checks as the prolog runs them, in a process whose NVML is the shim.
 QUICK = f"""
 import json, time
-from apps.hooks import PrologSettings, quick_checks
+from medic.apps.hooks import PrologSettings, quick_checks
 settings = PrologSettings(expected_gpus=8)
 samples = []
 for _ in range({READS}):
@@ -91,9 +91,9 @@ def run() -> dict[str, Any]:
             check=True,
         )
         quick_s = json.loads(quick.stdout)
-        prolog = [sys.executable, "-m", "apps.hooks", "prolog"]
+        prolog = [sys.executable, "-m", "medic.apps.hooks", "prolog"]
         passing = [_wall(prolog, env) for _ in range(RUNS)]
-        imports = [_wall([sys.executable, "-c", "import apps.hooks"], env)[0] for _ in range(RUNS)]
+        imports = [_wall([sys.executable, "-c", "import medic.apps.hooks"], env)[0] for _ in range(RUNS)]
         # In process: from the first NVML call to the verdict, DCGM's (fake) run included.
         in_hook = [float(re.findall(r"preflight passed on \S+ in ([0-9.]+) s", err)[0]) for _, err in passing]
         state.gpu(3, remap_failure=1)
@@ -124,7 +124,7 @@ def section(results: dict[str, Any]) -> str:
             ms(results["in_hook"].p95),
         ),
         (
-            f"whole prolog, `python -m apps.hooks prolog` start to exit, passing ({prolog.n} runs)",
+            f"whole prolog, `python -m medic.apps.hooks prolog` start to exit, passing ({prolog.n} runs)",
             ms(prolog.median),
             ms(prolog.p95),
         ),

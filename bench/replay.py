@@ -5,7 +5,7 @@ A temporary SQLite store is filled as the flows fill it, in bulk: incidents of 1
 kind, realistic attributes) over 90 days on 10,000 nodes, each with the two decisions the flows record
 (triage's first answer, then the final one a minute later), made by the default policy's engine on
 `facts_of` facts and kept with `record_facts`. The replay is then timed in one process, stage by stage
-(`Store.replay_history`, `medic.policy.replay.redecide`, `medic.policy.replay_report.judge`), with the
+(`Store.replay_history`, `medic.whatif.replay.redecide`, `medic.whatif.replay_report.judge`), with the
 default policy itself (nothing changes) and with an edit that changes the action of the most frequent
 rule; and end to end as `medic policy replay FILE --store URL --json > /dev/null`, which splits the
 reading and deciding over two processes (apps/cli/replay_parallel.py).
@@ -30,20 +30,20 @@ from typing import Any
 import yaml
 from sqlalchemy import insert
 
-from apps.cli.replay_parallel import PARALLEL_FROM
+from bench import REPO_ROOT
 from bench.flow_overhead import _policy_without_guardrails
 from bench.report import Stats, num, table
 from bench.triage import JOB_KINDS, KIND_WEIGHTS, SOURCES, _attributes
-from medic.config import REPO_ROOT
+from medic.apps.cli.replay_parallel import PARALLEL_FROM
 from medic.context import Context
 from medic.events import EventKind, FaultEvent
 from medic.facts import facts_of
 from medic.incidents import Incident, incident_id
 from medic.policy import LoadedPolicy, decide, load_policy
-from medic.policy.replay import record_facts, redecide
-from medic.policy.replay_report import judge
 from medic.store import Store
 from medic.store.tables import DecisionRecord, EventRecord, IncidentRecord
+from medic.whatif.replay import record_facts, redecide
+from medic.whatif.replay_report import judge
 
 SIZES = (10_000, 100_000)  # incidents
 NODES = 10_000

@@ -101,7 +101,7 @@ def document(command: str, machine: str, total_s: float, sections: Sequence[str]
         "It needs nothing outside the repository: events and policies are generated into a temporary",
         "directory, the flow benchmark starts its own temporary Prefect server with a fresh",
         "`PREFECT_HOME` and a temporary SQLite store, and all backends are the simulated fleet",
-        "(`integrations.registry.simulated`). The code is in `bench/` (one module per benchmark).",
+        "(`medic.integrations.registry.simulated`). The code is in `bench/` (one module per benchmark).",
         f"Interpreter: `{sys.executable}`.",
         "",
     ]

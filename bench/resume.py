@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from bench.report import Stats, ms, num, table
-from integrations.local_jobs import TRAIN_SCRIPT
-from integrations.processes import descendants, free_port, kill, running, start_time
+from medic.integrations.processes import descendants, free_port, kill, running, start_time
+from medic.shipped import TRAIN_SCRIPT
 
 RANKS = 2
 STEPS = 20

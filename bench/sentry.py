@@ -29,9 +29,9 @@ from typing import Any
 
 import httpx
 
+from bench import REPO_ROOT
 from bench.ingest import _free_port, _wait_ready, percentile
 from bench.report import ms, table
-from medic.config import REPO_ROOT
 
 BURST = 40
 BURSTS = 3
@@ -39,7 +39,7 @@ PAUSE_S = 10.0
 SECRET = "bench-sentry-secret"
 TEMPLATE = REPO_ROOT / "tests" / "fixtures" / "sentry" / "event_alert_nan.json"
 # `medic serve`: its typer command in a process of its own, as the tests run it.
-MEDIC_SERVE = [sys.executable, "-c", "import typer; from apps.cli.serve import serve; typer.run(serve)"]
+MEDIC_SERVE = [sys.executable, "-c", "import typer; from medic.apps.cli.serve import serve; typer.run(serve)"]
 
 
 def webhook(name: str, node: str) -> tuple[bytes, dict[str, str]]:

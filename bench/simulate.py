@@ -1,6 +1,6 @@
 """`medic simulate` speed: 54 simulated days of one training job on 16,384 and 100,000 GPUs.
 
-Each repeat is a whole run (`medic.fleetsim.simulate`) with the default policy, the same seed
+Each repeat is a whole run (`medic.whatif.fleetsim.simulate`) with the default policy, the same seed
 every time: the failure draws, the incidents decided by the real engine, the guardrails and the
 accounting. The policy is loaded once, outside the timing, as `medic simulate` loads it once per
 run. The target is 100,000 GPUs x 54 days in 30 s or less, the same report for the same seed.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from bench import REPO_ROOT
 from bench.report import Stats, num, table
-from medic.config import REPO_ROOT
-from medic.fleetsim import SimParams, simulate
 from medic.policy import load_policy
+from medic.whatif.fleetsim import SimParams, simulate
 
 DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
 SIZES = (16_384, 100_000)
@@ -70,7 +70,7 @@ def section(results: dict[str, Any]) -> str:
         [
             "## Fleet simulator (`medic simulate`)",
             "",
-            f"One whole `medic.fleetsim.simulate` run per repeat: {DAYS:g} simulated days, the default policy,",
+            f"One whole `medic.whatif.fleetsim.simulate` run per repeat: {DAYS:g} simulated days, the default policy,",
             f"seed {SEED}, {ROUNDS} repeats per size, in one process. Incidents are decided by the real engine",
             "(`correlate`, `facts_of`, `decide`) once per distinct shape (signature, node history, diagnostics so",
             "far); the guardrails run on every decision.",

@@ -23,8 +23,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from bench import REPO_ROOT
 from bench.report import Stats, num, rate, table
-from medic.config import REPO_ROOT
 from medic.events import event_time
 
 EVENTS = 100_000

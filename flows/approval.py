@@ -13,7 +13,7 @@ import os
 
 from prefect import get_run_logger
 from prefect.exceptions import FlowPauseTimeout
-from prefect.flow_runs import pause_flow_run
+from prefect.flow_runs import apause_flow_run
 from prefect.input import RunInput
 from prefect.runtime import flow_run
 from pydantic import BaseModel
@@ -23,10 +23,10 @@ from medic.policy.approvers import Approvers
 from medic.policy.model import DESTRUCTIVE, Approvals
 from medic.protocols import Message
 from medic.statuses import IncidentStatus
-from tasks.node_ops import take_out_of_service
-from tasks.notify import IncidentThread
-from tasks.runtime import Runtime, current
-from tasks.triage import Triage
+from medic.tasks.node_ops import take_out_of_service
+from medic.tasks.notify import IncidentThread
+from medic.tasks.runtime import Runtime, current
+from medic.tasks.triage import Triage
 
 # How long the run waits for approver emails still being looked up, then for the approval
 # request to reach the chat, before it pauses anyway.
@@ -103,7 +103,7 @@ async def _answer(
 ) -> ApprovalOutcome:
     """Pause for the answer and record it."""
     try:
-        answer = await pause_flow_run(
+        answer = await apause_flow_run(
             wait_for_input=Approval,
             timeout=max(1, round(approvals.timeout_minutes * 60)),
             poll_interval=_poll_seconds(),

@@ -12,15 +12,15 @@ from __future__ import annotations
 import asyncio
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import acreate_markdown_artifact
 from prefect.futures import PrefectFuture, wait
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from medic.deep_check import CheckResult, Verdict, not_run, overall
 from medic.policy.deep_checks import CHECK_ORDER, CheckName
-from tasks.deep_check import all_reduce_budget_s, check_all_reduce, check_node, node_budget_s
-from tasks.runtime import current
+from medic.tasks.deep_check import all_reduce_budget_s, check_all_reduce, check_node, node_budget_s
+from medic.tasks.runtime import current
 
 
 class DeepCheckReport(BaseModel):
@@ -77,7 +77,7 @@ async def deep_check(
         reduce = check_all_reduce.with_options(timeout_seconds=all_reduce_budget_s(deep))
         state = reduce(incident_id, nodes, results, return_state=True)
         results.append(
-            await state.result()
+            await state.aresult()
             if state.is_completed()
             else not_run(
                 CheckName.ALL_REDUCE,
@@ -93,7 +93,7 @@ async def deep_check(
         verdict=overall(results),
         results=results,
     )
-    await create_markdown_artifact(
+    await acreate_markdown_artifact(
         markdown=_markdown(report), description=f"deep check: {report.verdict.value}"
     )
     return report

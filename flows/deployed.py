@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from flows.live import LiveDispatcher
+from medic.flows.live import LiveDispatcher
 from medic.incidents import Incident
 
 log = logging.getLogger("medic.deployed")

@@ -5,16 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from flows.leases import Leases, lease_seconds, runner_name
-from flows.remediate import Outcome, remediate
+from medic.flows.leases import Leases, lease_seconds, runner_name
+from medic.flows.remediate import Outcome, remediate
 from medic.incidents import Incident, correlate
 from medic.intake import Intake
 from medic.statuses import TERMINAL_INCIDENT_STATUSES, IncidentStatus
 from medic.store.tables import IncidentRecord
-from tasks import prefect_events
-from tasks.evidence import storms
-from tasks.reconcile import reconcile_intents
-from tasks.runtime import Runtime
+from medic.tasks import prefect_events
+from medic.tasks.evidence import storms
+from medic.tasks.reconcile import reconcile_intents
+from medic.tasks.runtime import Runtime
 
 
 @dataclass(slots=True)

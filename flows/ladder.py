@@ -13,10 +13,10 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from medic.policy import Action, Decision
-from tasks.decide import decide_incident
-from tasks.diagnose import LEVEL_BUDGET_S, DiagnosticOutcome, diagnose
-from tasks.resume import MOVE_WAIT_S
-from tasks.runtime import current
+from medic.tasks.decide import decide_incident
+from medic.tasks.diagnose import LEVEL_BUDGET_S, DiagnosticOutcome, diagnose
+from medic.tasks.resume import MOVE_WAIT_S
+from medic.tasks.runtime import current
 
 MAX_STEPS = 4
 

@@ -27,6 +27,7 @@ are already stored, so a restart hands them on again from the backlog.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -37,20 +38,20 @@ from typing import Any, Self
 
 import anyio
 
-from flows.dispatch import remediate_one, stored
-from flows.leases import Leases, runner_name
 from medic.culprit import Differential
 from medic.events import FaultEvent
+from medic.flows.dispatch import remediate_one, stored
+from medic.flows.leases import Leases, runner_name
 from medic.incidents import Incident, Storms, correlate
 from medic.statuses import ACTIVE_INCIDENT_STATUSES, TERMINAL_INCIDENT_STATUSES
 from medic.store.tables import IncidentRecord
+from medic.tasks import prefect_events
+from medic.tasks.contain import contain
+from medic.tasks.evidence import storms
+from medic.tasks.guard import ensure_limits
+from medic.tasks.reconcile import reconcile_intents
+from medic.tasks.runtime import Runtime
 from medic.topology import Topology
-from tasks import prefect_events
-from tasks.contain import contain
-from tasks.evidence import storms
-from tasks.guard import ensure_limits
-from tasks.reconcile import reconcile_intents
-from tasks.runtime import Runtime
 
 log = logging.getLogger("medic.live")
 TOPOLOGY_REFRESH_S = 600.0  # switches change with recabling, not by the minute
@@ -117,7 +118,7 @@ class LiveDispatcher:
                 log.info("reconciled %s", line)
         for incident in claimed:
             log.warning("picking up incident %s on %s: no live run held it", incident.id, incident.node)
-            self._spawn(lambda incident=incident: self.start(incident))
+            self._spawn(functools.partial(self.start, incident))
         return len(claimed)
 
     async def pickup_forever(self, every_s: float) -> None:
@@ -202,7 +203,7 @@ class LiveDispatcher:
             # or gone) would hold the shutdown past its 10 s.
             incidents = await anyio.to_thread.run_sync(self._correlate, events, abandon_on_cancel=True)
         for incident in incidents:
-            self._spawn(lambda incident=incident: self._contain_then_start(incident))
+            self._spawn(functools.partial(self._contain_then_start, incident))
 
     async def _contain_then_start(self, incident: Incident) -> None:
         """Drain the node first where the decision takes it out (tasks/contain.py), then start its
@@ -249,14 +250,14 @@ class LiveDispatcher:
                 by_switch[event.switch].append(event)
             else:
                 fresh.append(event)
-        for switch, found in by_switch.items():
+        for switch, switch_events in by_switch.items():
             active = storming[switch]
-            joined = _within(found, active.last_event_at, window)
+            joined = _within(switch_events, active.last_event_at, window)
             if joined:
                 extra = Incident(id=active.id, node=switch, events=joined, scope="switch")
                 self.rt.store.open_incident(extra)
             joined_ids = {e.id for e in joined}
-            fresh.extend(e for e in found if e.id not in joined_ids)
+            fresh.extend(e for e in switch_events if e.id not in joined_ids)
         return sorted(fresh, key=lambda e: (e.time, e.id))
 
     def _switch_incident(self, switch: str) -> IncidentRecord | None:

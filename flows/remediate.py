@@ -16,34 +16,34 @@ from __future__ import annotations
 from dataclasses import replace
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.artifacts import acreate_link_artifact, acreate_markdown_artifact
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.states import State
 from prefect.utilities.urls import url_for
 from pydantic import BaseModel
 
-from flows.approval import await_approval
-from flows.ladder import diagnose_ladder
 from medic.artifacts import Artifact, artifacts_of, step_artifacts
 from medic.audit import incident_markdown
 from medic.events import FaultEvent
+from medic.flows.approval import await_approval
+from medic.flows.ladder import diagnose_ladder
 from medic.policy import Action, Decision
 from medic.policy.model import DESTRUCTIVE
 from medic.protocols import Message
 from medic.statuses import TERMINAL_INCIDENT_STATUSES, ActStatus, IncidentStatus
 from medic.store import IncidentDetail
 from medic.store.tables import DecisionRecord
-from tasks.act import ActOutcome, act
-from tasks.close import close
-from tasks.decide import decide_incident
-from tasks.guard import ensure_limits
-from tasks.notify import IncidentThread
-from tasks.resume import ResumeOutcome, moved_jobs, resume_job
-from tasks.runtime import current
-from tasks.stage import stage
-from tasks.triage import Triage, triage
-from tasks.verify import VerifyOutcome, verify, verify_budget_s
+from medic.tasks.act import ActOutcome, act
+from medic.tasks.close import close
+from medic.tasks.decide import decide_incident
+from medic.tasks.guard import ensure_limits
+from medic.tasks.notify import IncidentThread
+from medic.tasks.resume import ResumeOutcome, moved_jobs, resume_job
+from medic.tasks.runtime import current
+from medic.tasks.stage import stage
+from medic.tasks.triage import Triage, triage
+from medic.tasks.verify import VerifyOutcome, verify, verify_budget_s
 
 
 class Outcome(BaseModel):
@@ -202,12 +202,12 @@ async def _publish(incident_id: str, node: str, summary: str) -> None:
     Prefect UI's address is known."""
     detail = current().store.incident_detail(incident_id)
     if detail is not None:
-        await create_markdown_artifact(
+        await acreate_markdown_artifact(
             markdown=incident_markdown(as_it_happened(detail)), key=incident_id, description=summary
         )
     page = url_for("flow-run", obj_id=flow_run.id) if flow_run.id else None
     if page:
-        await create_link_artifact(
+        await acreate_link_artifact(
             link=page,
             link_text=f"Incident {incident_id} on {node}",
             key=f"{incident_id}-record",
@@ -265,7 +265,7 @@ async def remediate(incident_id: str, node: str) -> Outcome:
             )
     state: State[ActOutcome] = act(incident_id, node, triaged.gpu, decision, return_state=True)
     if state.is_completed():
-        acted = await state.result()
+        acted = await state.aresult()
     else:
         # Retries exhausted: never silently dropped — the incident escalates with the error.
         acted = ActOutcome(
@@ -281,7 +281,7 @@ async def remediate(incident_id: str, node: str) -> Outcome:
     for job in _jobs_to_resume(incident_id, triaged, acted):
         job_state: State[ResumeOutcome] = resume_job(incident_id, job, [node], return_state=True)
         if job_state.is_completed():
-            resumed = await job_state.result()
+            resumed = await job_state.aresult()
             await thread.say(resumed.describe().capitalize())
         else:
             logger.error("job %s did not resume: %s", job, job_state.message)

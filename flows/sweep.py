@@ -12,18 +12,18 @@ from __future__ import annotations
 import asyncio
 
 from prefect import flow
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import acreate_markdown_artifact
 from prefect.futures import wait
 from pydantic import BaseModel
 
-from flows.dispatch import remediate_all
+from medic.flows.dispatch import remediate_all
 from medic.intake import Intake
 from medic.store import utcnow
 from medic.sweep import SweepPlan, SweepSettings
-from tasks.guard import ensure_limits
-from tasks.runtime import current
-from tasks.stage import run_logger
-from tasks.sweep import NodeSwept, fault_event, make_plan, new_sweep_id, reservation_minutes, sweep_node
+from medic.tasks.guard import ensure_limits
+from medic.tasks.runtime import current
+from medic.tasks.stage import run_logger
+from medic.tasks.sweep import NodeSwept, fault_event, make_plan, new_sweep_id, reservation_minutes, sweep_node
 
 
 class HandedOn(BaseModel):
@@ -84,7 +84,7 @@ async def sweep(settings: SweepSettings | None = None, remediate: bool = True) -
     report = SweepReport(sweep=sweep_id, plan=planned, nodes=nodes, handed_on=handed_on)
     for swept in nodes:
         log.info("sweep %s: %s %s", sweep_id, swept.node, swept.result)
-    await create_markdown_artifact(markdown=_markdown(report), description=f"sweep {sweep_id}")
+    await acreate_markdown_artifact(markdown=_markdown(report), description=f"sweep {sweep_id}")
     for future in futures:
         future.result()  # raises what a failed check raised
     return report

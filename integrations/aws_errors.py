@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from botocore.exceptions import ClientError
 
-from integrations.provider_errors import (
+from medic.errors import PermanentError, TransientError
+from medic.integrations.provider_errors import (
     NodeActionError,
     PermanentNodeActionError,
     ProviderError,
     TransientNodeActionError,
 )
-from medic.errors import PermanentError, TransientError
 
 # The error codes AWS services use for "slow down" (the same set botocore's standard retry mode treats
 # as throttling; its own list is private, so it is not imported).

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from botocore.exceptions import ClientError
 
-from integrations.aws_errors import THROTTLING_CODES, api_error, error_code, is_throttling
+from medic.integrations.aws_errors import THROTTLING_CODES, api_error, error_code, is_throttling
 
 __all__ = ["THROTTLING_CODES", "Retrier", "RetryPolicy", "error_code", "is_throttling"]
 

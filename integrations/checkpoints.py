@@ -1,8 +1,8 @@
 """`CheckpointStore` over PyTorch Distributed Checkpoints (DCP) on a shared filesystem or S3.
 
 What a complete checkpoint is, and how its folders are named, is defined once, in
-deployments/training/checkpoint_layout.py beside the job that writes them: the training process
-imports it without GPU Medic, and this module loads it from that file.
+medic.training.checkpoint_layout (deployments/training/), beside the job that writes them: the training
+process imports it without the rest of GPU Medic, and so does this module.
 
 torch is imported only when a checkpoint is actually read: it is an optional dependency
 (the `train` extra) and costs seconds to import.
@@ -10,44 +10,22 @@ torch is imported only when a checkpoint is actually read: it is an optional dep
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
 import tempfile
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from medic.config import REPO_ROOT
 from medic.errors import PermanentError
 from medic.protocols import Checkpoint
+from medic.training import checkpoint_layout as layout
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
 
 log = logging.getLogger(__name__)
 
-LAYOUT_FILE = REPO_ROOT / "deployments" / "training" / "checkpoint_layout.py"
-
-
-def _load_layout() -> ModuleType:
-    """The job's own module, under the name the job imports it by, so both share its classes."""
-    name = LAYOUT_FILE.stem
-    loaded = sys.modules.get(name)
-    if loaded is not None and Path(loaded.__file__ or "").resolve() == LAYOUT_FILE:
-        return loaded
-    spec = importlib.util.spec_from_file_location(name, LAYOUT_FILE)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load the checkpoint layout from {LAYOUT_FILE}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-layout = _load_layout()
 METADATA_FILE: str = layout.METADATA_FILE
 step_dir_name = layout.step_dir_name
 parse_step = layout.parse_step

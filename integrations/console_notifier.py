@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from integrations.sim.notifier import RecordingNotifier
+from medic.integrations.sim.notifier import RecordingNotifier
 from medic.protocols import Message
 
 

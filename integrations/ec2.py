@@ -42,12 +42,19 @@ from typing import Any
 
 from botocore.client import BaseClient
 
-from integrations.aws_clients import aws_client, node_map
-from integrations.aws_errors import AwsApiError
-from integrations.aws_retry import Retrier, RetryPolicy, error_code
-from integrations.polling import Comeback, NodeHeldError, NodeNotBackError, poll, scheduler_holder, wait_back
-from integrations.provider_errors import ActionRefusedError, AmbiguousNodeError, UnknownNodeError
-from integrations.settling import witnessed
+from medic.integrations.aws_clients import aws_client, node_map
+from medic.integrations.aws_errors import AwsApiError
+from medic.integrations.aws_retry import Retrier, RetryPolicy, error_code
+from medic.integrations.polling import (
+    Comeback,
+    NodeHeldError,
+    NodeNotBackError,
+    poll,
+    scheduler_holder,
+    wait_back,
+)
+from medic.integrations.provider_errors import ActionRefusedError, AmbiguousNodeError, UnknownNodeError
+from medic.integrations.settling import witnessed
 from medic.protocols import Scheduler, Settled
 
 log = logging.getLogger(__name__)
@@ -146,7 +153,7 @@ class Ec2Provider:
                 " launch a new node yourself"
             )
         described = self._retrier.call(
-            self.autoscaling.describe_auto_scaling_groups, AutoScalingGroupNames=[group]
+            self._groups().describe_auto_scaling_groups, AutoScalingGroupNames=[group]
         )
         (details,) = described["AutoScalingGroups"]
         suspended = REPLACING_PROCESSES & {p["ProcessName"] for p in details.get("SuspendedProcesses", [])}
@@ -157,7 +164,7 @@ class Ec2Provider:
             )
         members = frozenset(i["InstanceId"] for i in details["Instances"])
         self._retrier.call(
-            self.autoscaling.set_instance_health,
+            self._groups().set_instance_health,
             InstanceId=instance_id,
             HealthStatus="Unhealthy",
             ShouldRespectGracePeriod=False,
@@ -250,7 +257,7 @@ class Ec2Provider:
                 return Settled(False, f"{seen}, and still in service: the replacement was never asked for")
             return None
         described = self._retrier.call(
-            self.autoscaling.describe_auto_scaling_groups, AutoScalingGroupNames=[group]
+            self._groups().describe_auto_scaling_groups, AutoScalingGroupNames=[group]
         )
         members = [
             i["InstanceId"] for details in described["AutoScalingGroups"] for i in details["Instances"]
@@ -358,7 +365,7 @@ class Ec2Provider:
 
     def _replacement(self, pending: PendingReplacement) -> str | None:
         described = self._retrier.call(
-            self.autoscaling.describe_auto_scaling_groups, AutoScalingGroupNames=[pending.group]
+            self._groups().describe_auto_scaling_groups, AutoScalingGroupNames=[pending.group]
         )
         # Several nodes of one group may be replaced at once: skip instances other nodes already claim.
         claimed = pending.members_before | set(self._ids.values())
@@ -371,6 +378,12 @@ class Ec2Provider:
             and i["InstanceId"] not in claimed
         )
         return fresh[0] if fresh else None
+
+    def _groups(self) -> BaseClient:
+        """The Auto Scaling client. Only it finds a node's group (`_membership`), so wherever a group, or a
+        replacement pending in one, is in hand, there is one."""
+        assert self.autoscaling is not None, "an Auto Scaling group was found without an Auto Scaling client"
+        return self.autoscaling
 
     def _membership(self, instance_id: str) -> dict[str, Any] | None:
         if self.autoscaling is None:

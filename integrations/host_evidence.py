@@ -15,8 +15,8 @@ import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
-from integrations.dcgm.diagnostics import NODE_NAME
-from integrations.dcgm.runner import Completed, NodeRunner, runner_from_env
+from medic.integrations.dcgm.diagnostics import NODE_NAME
+from medic.integrations.dcgm.runner import Completed, NodeRunner, runner_from_env
 from medic.protocols import HostCapture, HostFile
 
 # dmesg may be closed to a user that is not root (kernel.dmesg_restrict); the journal keeps the

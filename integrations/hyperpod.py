@@ -39,12 +39,12 @@ from botocore import xform_name
 from botocore.client import BaseClient
 from botocore.exceptions import BotoCoreError, ClientError
 
-from integrations.aws_clients import aws_client, node_map
-from integrations.aws_errors import branch_of, node_action_error, transient
-from integrations.aws_retry import Retrier, RetryPolicy, error_code, is_throttling
-from integrations.polling import Comeback, NodeHeldError, poll, scheduler_holder, wait_back
-from integrations.provider_errors import InvalidNodeIdError, UnknownNodeError
-from integrations.settling import witnessed
+from medic.integrations.aws_clients import aws_client, node_map
+from medic.integrations.aws_errors import branch_of, node_action_error, transient
+from medic.integrations.aws_retry import Retrier, RetryPolicy, error_code, is_throttling
+from medic.integrations.polling import Comeback, NodeHeldError, poll, scheduler_holder, wait_back
+from medic.integrations.provider_errors import InvalidNodeIdError, UnknownNodeError
+from medic.integrations.settling import witnessed
 from medic.protocols import Scheduler, Settled
 
 log = logging.getLogger(__name__)

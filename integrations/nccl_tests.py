@@ -30,9 +30,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from integrations.dcgm.diagnostics import NODE_NAME
-from integrations.dcgm.runner import DEFAULT_TERM_GRACE_S, SRUN_IMMEDIATE_S, run_process
 from medic.errors import PermanentError
+from medic.integrations.dcgm.diagnostics import NODE_NAME
+from medic.integrations.dcgm.runner import DEFAULT_TERM_GRACE_S, SRUN_IMMEDIATE_S, run_process
 from medic.protocols import AllReduceRun, AllReduceSpec
 
 

@@ -25,9 +25,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
-from integrations.dcgm.diagnostics import NODE_NAME
-from integrations.dcgm.runner import NodeRunner, runner_from_env
 from medic.errors import PermanentError
+from medic.integrations.dcgm.diagnostics import NODE_NAME
+from medic.integrations.dcgm.runner import NodeRunner, runner_from_env
 from medic.protocols import NicLatencyRun, NicLoopbackRun
 
 TOOL = "ib_write_bw"

@@ -8,7 +8,7 @@ A session asks a GPU for a field it answered NotSupported (or lacked the functio
 `NvmlSession` keeps NVML initialised between reads and holds an event set registered for XID
 critical errors, so XIDs that happened between two reads are delivered at the next one (the
 driver queues them). `snapshot()` is one read in a fresh session, for one-off checks;
-`python -m integrations.nvml` prints one as JSON, for a probe run on the node from elsewhere
+`python -m medic.integrations.nvml` prints one as JSON, for a probe run on the node from elsewhere
 (integrations/nvml_probe.py).
 """
 

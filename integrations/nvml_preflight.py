@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from integrations.nvml import GpuSnapshot, NodeSnapshot, Unavailable, snapshot
+from medic.integrations.nvml import GpuSnapshot, NodeSnapshot, Unavailable, snapshot
 from medic.preflight import GpuAnswers, NodeAnswers
 
 Reader = Callable[[], NodeSnapshot | Unavailable]

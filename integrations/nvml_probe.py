@@ -1,4 +1,4 @@
-"""`InstanceProbe` from NVML on the node itself: `python3 -m integrations.nvml` run there.
+"""`InstanceProbe` from NVML on the node itself: `python3 -m medic.integrations.nvml` run there.
 
 NVML answers only on the machine whose GPUs it drives, so the probe runs GPU Medic's own reader on
 the node (installed there for `medic agent`), through the same runner as DCGM (ssh, srun or local;
@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from integrations.dcgm.diagnostics import NODE_NAME
-from integrations.dcgm.runner import NodeRunner, runner_from_env
+from medic.integrations.dcgm.diagnostics import NODE_NAME
+from medic.integrations.dcgm.runner import NodeRunner, runner_from_env
 from medic.protocols import GpuReading, InstanceReading
 
 
@@ -32,7 +32,7 @@ class NvmlProbe:
         return cls(runner_from_env(env), env.get("MEDIC_NODE_PYTHON") or "python3")
 
     def command(self) -> list[str]:
-        return [self.python, "-m", "integrations.nvml"]
+        return [self.python, "-m", "medic.integrations.nvml"]
 
     def read(self, node: str, timeout_s: float) -> InstanceReading:
         started = datetime.now(UTC)

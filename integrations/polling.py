@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from integrations.provider_errors import ActionRefusedError, ProviderError
 from medic.errors import PermanentError
+from medic.integrations.provider_errors import ActionRefusedError, ProviderError
 from medic.protocols import NodeState, Scheduler
 
 T = TypeVar("T")

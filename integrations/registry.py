@@ -31,16 +31,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from integrations.backend_errors import BackendError
-from integrations.sim.checkpoints import SimCheckpoints
-from integrations.sim.deep_checks import SimAllReduce, SimInstanceProbe, SimNicLoopback
-from integrations.sim.diagnostics import SimDiagnostics
-from integrations.sim.fleet import SimFleet
-from integrations.sim.host_evidence import SimHostEvidence
-from integrations.sim.notifier import RecordingNotifier
-from integrations.sim.provider import SimProvider
-from integrations.sim.scheduler import SimScheduler
 from medic.config import BACKEND_ROLES, BACKENDS_VAR, SLACK_TOKEN_VARS, Choice, Settings
+from medic.integrations.backend_errors import BackendError
+from medic.integrations.sim.checkpoints import SimCheckpoints
+from medic.integrations.sim.deep_checks import SimAllReduce, SimInstanceProbe, SimNicLoopback
+from medic.integrations.sim.diagnostics import SimDiagnostics
+from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.sim.host_evidence import SimHostEvidence
+from medic.integrations.sim.notifier import RecordingNotifier
+from medic.integrations.sim.provider import SimProvider
+from medic.integrations.sim.scheduler import SimScheduler
 from medic.protocols import (
     AllReduceTest,
     CheckpointStore,
@@ -127,32 +127,32 @@ Env = Mapping[str, str]
 # Each factory gets the configured scheduler too: a provider beside it must see who holds a node
 # (an admin's drain there) before it reboots or replaces it.
 def _slurm_scheduler(env: Env, scheduler: Scheduler | None) -> Scheduler:
-    from integrations.slurm.cli import SlurmCli
-    from integrations.slurm.scheduler import SlurmScheduler
+    from medic.integrations.slurm.cli import SlurmCli
+    from medic.integrations.slurm.scheduler import SlurmScheduler
 
     return SlurmScheduler(SlurmCli.from_env(env))
 
 
 def _slurm_provider(env: Env, scheduler: Scheduler | None) -> NodeProvider:
-    from integrations.slurm.provider import SlurmRebootProvider
+    from medic.integrations.slurm.provider import SlurmRebootProvider
 
     return SlurmRebootProvider.from_env(env)
 
 
 def _hyperpod(env: Env, scheduler: Scheduler | None) -> NodeProvider:
-    from integrations.hyperpod import HyperPodProvider
+    from medic.integrations.hyperpod import HyperPodProvider
 
     return HyperPodProvider.from_env(env, scheduler)
 
 
 def _ec2(env: Env, scheduler: Scheduler | None) -> NodeProvider:
-    from integrations.ec2 import Ec2Provider
+    from medic.integrations.ec2 import Ec2Provider
 
     return Ec2Provider.from_env(env, scheduler)
 
 
 def _dcgm(env: Env, scheduler: Scheduler | None) -> Diagnostics:
-    from integrations.dcgm.diagnostics import DcgmDiagnostics
+    from medic.integrations.dcgm.diagnostics import DcgmDiagnostics
 
     return DcgmDiagnostics.from_env(env)
 
@@ -175,8 +175,8 @@ def _deep_checks(choice: Choice, env: Env, sim: Backends) -> tuple[InstanceProbe
     """The NVML probe and the all-reduce."""
 
     def real() -> tuple[InstanceProbe, AllReduceTest]:
-        from integrations.nccl_tests import NcclTestsAllReduce
-        from integrations.nvml_probe import NvmlProbe
+        from medic.integrations.nccl_tests import NcclTestsAllReduce
+        from medic.integrations.nvml_probe import NvmlProbe
 
         return NvmlProbe.from_env(env), NcclTestsAllReduce.from_env(env)
 
@@ -187,7 +187,7 @@ def _nic_loopback(choice: Choice, env: Env, sim: Backends) -> NicLoopbackTest:
     """ib_write_bw in loopback."""
 
     def real() -> NicLoopbackTest:
-        from integrations.nic_loopback import IbWriteBwLoopback
+        from medic.integrations.nic_loopback import IbWriteBwLoopback
 
         return IbWriteBwLoopback.from_env(env)
 
@@ -198,7 +198,7 @@ def _host_evidence(choice: Choice, env: Env, sim: Backends) -> HostEvidence:
     """What a reboot or replacement wipes, read off the node."""
 
     def real() -> HostEvidence:
-        from integrations.host_evidence import NodeHostEvidence
+        from medic.integrations.host_evidence import NodeHostEvidence
 
         return NodeHostEvidence.from_env(env)
 
@@ -237,11 +237,11 @@ def _notifier(choice: Choice, env: Env, simulated_one: Notifier) -> Notifier:
         case "sim":
             return simulated_one
         case "console":
-            from integrations.console_notifier import ConsoleNotifier
+            from medic.integrations.console_notifier import ConsoleNotifier
 
             return ConsoleNotifier()
         case "slack":
-            from integrations.slack.notifier import SlackNotifier
+            from medic.integrations.slack.notifier import SlackNotifier
 
             try:
                 notifier = SlackNotifier.from_env(env)
@@ -261,12 +261,12 @@ def _checkpoints(choice: Choice, env: Env, simulated_one: CheckpointStore) -> Ch
     if chosen == "sim":
         return simulated_one
     if chosen.startswith("s3://"):
-        from integrations.aws_clients import aws_client
-        from integrations.checkpoints import S3CheckpointStore
+        from medic.integrations.aws_clients import aws_client
+        from medic.integrations.checkpoints import S3CheckpointStore
 
         bucket, _, prefix = chosen.removeprefix("s3://").partition("/")
         return S3CheckpointStore(aws_client("s3", env), bucket, prefix)
-    from integrations.checkpoints import DcpCheckpointStore
+    from medic.integrations.checkpoints import DcpCheckpointStore
 
     return DcpCheckpointStore(chosen)
 

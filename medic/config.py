@@ -35,8 +35,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from medic.artifacts import ARTIFACT_ROOT_VAR
+from medic.shipped import SHIPPED_POLICY
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|ACCESS_KEY|PRIVATE|AUDIT_KEY", re.IGNORECASE)
 # The key of the store's audit chain (docs/store.md#tamper-evidence): HMAC, so that someone who can
 # edit the database cannot recompute the chain without it.
@@ -149,7 +149,7 @@ class Settings:
 
 def _default_policy() -> Path:
     local = Path("policies/default.yaml")
-    return local if local.is_file() else REPO_ROOT / "policies" / "default.yaml"
+    return local if local.is_file() else SHIPPED_POLICY
 
 
 def _from_file(path: Path, cluster: str | None) -> tuple[str | None, dict[str, str]]:

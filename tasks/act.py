@@ -9,15 +9,15 @@ from medic.policy import Action, Decision
 from medic.policy.model import DESTRUCTIVE
 from medic.statuses import ACT_DONE_STATUSES, ActionStatus, ActStatus, StepStatus
 from medic.store.tables import ActionRecord
-from tasks import prefect_events
-from tasks.contain import release
-from tasks.guard import guarded
-from tasks.host_evidence import keep_host_evidence
-from tasks.node_ops import ensure_drained, held_by_others, reintegrate_node, take_out_of_service
-from tasks.resume import JobsOff, move_jobs_off
-from tasks.retry import transient_only
-from tasks.runtime import Runtime, current
-from tasks.stage import stage
+from medic.tasks import prefect_events
+from medic.tasks.contain import release
+from medic.tasks.guard import guarded
+from medic.tasks.host_evidence import keep_host_evidence
+from medic.tasks.node_ops import ensure_drained, held_by_others, reintegrate_node, take_out_of_service
+from medic.tasks.resume import JobsOff, move_jobs_off
+from medic.tasks.retry import transient_only
+from medic.tasks.runtime import Runtime, current
+from medic.tasks.stage import stage
 
 
 class ActOutcome(BaseModel):

@@ -10,10 +10,10 @@ from medic.goodput import incident_costs
 from medic.statuses import IncidentStatus
 from medic.store import utcnow
 from medic.store.tables import GoodputRecord
-from tasks import prefect_events
-from tasks.retry import transient_only
-from tasks.runtime import current
-from tasks.stage import stage
+from medic.tasks import prefect_events
+from medic.tasks.retry import transient_only
+from medic.tasks.runtime import current
+from medic.tasks.stage import stage
 
 
 @task(

@@ -23,10 +23,10 @@ from medic.incidents import Scope
 from medic.policy import Action, Decision
 from medic.policy.model import DESTRUCTIVE
 from medic.statuses import StepStatus
-from tasks.evidence import evaluate
-from tasks.node_ops import drain_incident, resume_node, take_out_of_service
-from tasks.runtime import Runtime
-from tasks.stage import stage
+from medic.tasks.evidence import evaluate
+from medic.tasks.node_ops import drain_incident, resume_node, take_out_of_service
+from medic.tasks.runtime import Runtime
+from medic.tasks.stage import stage
 
 CONTAINED = DESTRUCTIVE | {Action.DRAIN}
 STAGE = "contain"

@@ -5,10 +5,10 @@ from __future__ import annotations
 from prefect import task
 
 from medic.policy import Decision
-from tasks.evidence import evaluate
-from tasks.retry import transient_only
-from tasks.runtime import current
-from tasks.stage import stage
+from medic.tasks.evidence import evaluate
+from medic.tasks.retry import transient_only
+from medic.tasks.runtime import current
+from medic.tasks.stage import stage
 
 
 @task(

@@ -31,10 +31,10 @@ from medic.policy.deep_checks import CHECK_ORDER, CheckName, DeepChecks
 from medic.protocols import AllReduceSpec, InstanceReading, NicLatencyRun, NicLoopbackRun
 from medic.statuses import StepStatus
 from medic.store import utcnow
-from tasks.diagnose import LEVEL_BUDGET_S
-from tasks.evidence import record_diagnostic
-from tasks.runtime import Runtime, current
-from tasks.stage import run_logger
+from medic.tasks.diagnose import LEVEL_BUDGET_S
+from medic.tasks.evidence import record_diagnostic
+from medic.tasks.runtime import Runtime, current
+from medic.tasks.stage import run_logger
 
 PROBE_TIMEOUT_S = 120.0
 SLACK_S = 60.0  # a task's budget over what its backends are given: recording, the scheduler's answers
@@ -174,8 +174,8 @@ def _all_reduce(rt: Runtime, deep: DeepChecks, nodes: Sequence[str]) -> CheckRes
     if len(kinds) > 1:
         why = f"the nodes have different shapes ({', '.join(kinds)}): one all-reduce judges one shape"
         return not_run(CheckName.ALL_REDUCE, nodes, why)
-    if why := _guard(rt, nodes):
-        return not_run(CheckName.ALL_REDUCE, nodes, f"all-reduce not run: {why}")
+    if unfit := _guard(rt, nodes):
+        return not_run(CheckName.ALL_REDUCE, nodes, f"all-reduce not run: {unfit}")
     name, shape = named[nodes[0]]
     sizes = deep.all_reduce
     spec = AllReduceSpec(tuple(nodes), shape.gpus, sizes.min_bytes, sizes.max_bytes, sizes.step_factor)

@@ -10,12 +10,12 @@ from medic.policy import Action, Decision
 from medic.policy.model import Classification
 from medic.statuses import StepStatus
 from medic.store import utcnow
-from tasks.evidence import record_diagnostic
-from tasks.node_ops import take_out_of_service
-from tasks.resume import move_jobs_off
-from tasks.retry import transient_only
-from tasks.runtime import Runtime, current
-from tasks.stage import StageLog, stage
+from medic.tasks.evidence import record_diagnostic
+from medic.tasks.node_ops import take_out_of_service
+from medic.tasks.resume import move_jobs_off
+from medic.tasks.retry import transient_only
+from medic.tasks.runtime import Runtime, current
+from medic.tasks.stage import StageLog, stage
 
 # Hard time budget per DCGM level (seconds): L1 takes seconds, L4 up to two hours.
 LEVEL_BUDGET_S: dict[int, float] = {1: 120, 2: 900, 3: 2700, 4: 9000}

@@ -12,11 +12,11 @@ from medic.incidents import Incident, Scope, Storms
 from medic.policy import Decision, decide, guardrails
 from medic.policy.guardrails import HOUR, FleetState
 from medic.policy.model import DESTRUCTIVE, Policy
-from medic.policy.replay import record_facts
 from medic.protocols import DiagnosticResult, NodeInfo
 from medic.store import utcnow
 from medic.store.tables import DiagnosticRecord
-from tasks.runtime import Runtime
+from medic.tasks.runtime import Runtime
+from medic.whatif.replay import record_facts
 
 
 def load_incident(rt: Runtime, incident_id: str) -> Incident:

@@ -41,8 +41,8 @@ from prefect.settings import PREFECT_API_URL
 from medic.errors import MedicError, PermanentError, TransientError
 from medic.policy import Decision, guardrails
 from medic.store import utcnow
-from tasks.evidence import fleet_state, record_breaker_trip
-from tasks.runtime import Runtime
+from medic.tasks.evidence import fleet_state, record_breaker_trip
+from medic.tasks.runtime import Runtime
 
 log = logging.getLogger("medic.guard")
 

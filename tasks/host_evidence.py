@@ -21,8 +21,8 @@ from medic.events import FaultEvent
 from medic.policy import Action
 from medic.statuses import StepStatus
 from medic.store import utcnow
-from tasks.runtime import Runtime
-from tasks.stage import run_logger, stage
+from medic.tasks.runtime import Runtime
+from medic.tasks.stage import run_logger, stage
 
 log = logging.getLogger("medic.host_evidence")
 

@@ -17,8 +17,8 @@ from medic.policy import Action, Decision
 from medic.policy.model import DESTRUCTIVE
 from medic.protocols import NodeInfo, NodeState
 from medic.statuses import ACTIVE_INCIDENT_STATUSES, ActionStatus, StepStatus
-from tasks.guard import guarded, inside_guarded
-from tasks.runtime import Runtime
+from medic.tasks.guard import guarded, inside_guarded
+from medic.tasks.runtime import Runtime
 
 # Every replacement or repair on record counts, however old: the node has not been checked since.
 EVER = datetime(1970, 1, 1, tzinfo=UTC)

@@ -26,8 +26,8 @@ from medic.errors import PermanentError
 from medic.protocols import Message, Notifier
 from medic.statuses import StepStatus
 from medic.store import Store, utcnow
-from tasks.runtime import current
-from tasks.stage import run_logger
+from medic.tasks.runtime import current
+from medic.tasks.stage import run_logger
 
 # The final flush: the longest a run waits for chat, after everything else it does.
 FLUSH_S = 10.0
@@ -158,7 +158,12 @@ class _Outbox:
                         pause,
                     )
                     was_closed = self.closed
-                    self._cond.wait_for(lambda c=was_closed: self._abandon or self.closed != c, pause)
+
+                    # Try again early once the run's final flush begins, or gives up.
+                    def woken(closed_before: bool = was_closed) -> bool:
+                        return self._abandon or self.closed != closed_before
+
+                    self._cond.wait_for(woken, pause)
                 continue
             with self._cond:
                 self._sending = None

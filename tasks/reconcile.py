@@ -8,7 +8,7 @@ from collections.abc import Collection
 from medic.policy.model import DESTRUCTIVE
 from medic.protocols import Reconcilable
 from medic.statuses import ActionStatus
-from tasks.runtime import Runtime
+from medic.tasks.runtime import Runtime
 
 log = logging.getLogger(__name__)
 

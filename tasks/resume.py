@@ -22,9 +22,9 @@ from medic.protocols import JobInfo, JobState
 from medic.statuses import ActionStatus, StepStatus
 from medic.store import utcnow
 from medic.store.tables import ActionRecord
-from tasks.retry import transient_only
-from tasks.runtime import Runtime, current
-from tasks.stage import StageLog, stage
+from medic.tasks.retry import transient_only
+from medic.tasks.runtime import Runtime, current
+from medic.tasks.stage import StageLog, stage
 
 MOVE_STAGE = "move job off"
 REQUEUE = "requeue"  # the action's name in the store

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from integrations import registry
-from integrations.registry import Backends
 from medic.config import load_settings
+from medic.integrations import registry
+from medic.integrations.registry import Backends
 from medic.policy import LoadedPolicy, PolicyError, load_policy
 from medic.policy.approvers import Approvers, UserDirectory, is_email, resolve
 from medic.store import Store, utcnow

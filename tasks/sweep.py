@@ -25,11 +25,11 @@ from medic.protocols import DiagnosticResult, Reservations
 from medic.statuses import StepStatus
 from medic.store import utcnow
 from medic.sweep import DIAGNOSTIC_PREFIX, NodeBusyError, SweepPlan, SweepSettings, plan
-from tasks.diagnose import LEVEL_BUDGET_S
-from tasks.evidence import fleet_state, record_diagnostic
-from tasks.guard import guarded
-from tasks.runtime import Runtime, current
-from tasks.stage import run_logger, stage
+from medic.tasks.diagnose import LEVEL_BUDGET_S
+from medic.tasks.evidence import fleet_state, record_diagnostic
+from medic.tasks.guard import guarded
+from medic.tasks.runtime import Runtime, current
+from medic.tasks.stage import run_logger, stage
 
 HEALTH_WINDOW = timedelta(days=30)  # the ageing evidence a plan weighs, as `medic fleet health`'s default
 # A reservation outlives the level's budget by this much: a check that ends late never runs unheld.

@@ -9,10 +9,10 @@ from pydantic import BaseModel
 from medic.incidents import Scope
 from medic.policy import Decision
 from medic.statuses import IncidentStatus
-from tasks.evidence import evaluate, load_incident
-from tasks.retry import transient_only
-from tasks.runtime import current
-from tasks.stage import stage
+from medic.tasks.evidence import evaluate, load_incident
+from medic.tasks.retry import transient_only
+from medic.tasks.runtime import current
+from medic.tasks.stage import stage
 
 
 class Triage(BaseModel):

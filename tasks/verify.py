@@ -12,11 +12,11 @@ from medic.errors import PermanentError
 from medic.policy import Action
 from medic.policy.deep_checks import CheckName, DeepChecks
 from medic.statuses import StepStatus
-from tasks.deep_check import all_reduce_budget_s, dcgm_check, node_budget_s, run_checks
-from tasks.node_ops import resume_node
-from tasks.retry import transient_only
-from tasks.runtime import current
-from tasks.stage import stage
+from medic.tasks.deep_check import all_reduce_budget_s, dcgm_check, node_budget_s, run_checks
+from medic.tasks.node_ops import resume_node
+from medic.tasks.retry import transient_only
+from medic.tasks.runtime import current
+from medic.tasks.stage import stage
 
 READY_TIMEOUT_S = 1800.0
 

@@ -27,16 +27,17 @@ os.environ.setdefault("TRAIN_DEVICE", "cpu")
 os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
 
-from integrations import registry
-from integrations.registry import Backends
-from integrations.sim.fleet import SimFleet
-from medic.config import REPO_ROOT
+from checkout import REPO_ROOT
+
+from medic.integrations import registry
+from medic.integrations.registry import Backends
+from medic.integrations.sim.fleet import SimFleet
 from medic.store import Store
-from tasks.runtime import Runtime, configure
+from medic.tasks.runtime import Runtime, configure
 
 if TYPE_CHECKING:
-    from flows.leases import Leases
-    from flows.live import LiveDispatcher
+    from medic.flows.leases import Leases
+    from medic.flows.live import LiveDispatcher
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "MEDIC_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -76,7 +77,7 @@ def prefect_server(
 def live_dispatcher() -> Iterator[Callable[..., LiveDispatcher]]:
     """Makes the warm path's dispatchers, closed after the test: a lease still held would be
     renewed from a thread of this process against a store the test has dropped."""
-    from flows.live import LiveDispatcher
+    from medic.flows.live import LiveDispatcher
 
     made: list[LiveDispatcher] = []
 

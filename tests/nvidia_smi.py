@@ -12,7 +12,7 @@ from pathlib import Path
 
 from nvml_support import NOT_SUPPORTED, ShimState
 
-from integrations.nvml import CLOCK_EVENT_REASONS
+from medic.integrations.nvml import CLOCK_EVENT_REASONS
 from medic.preflight import (
     CLOCKS_FIELD,
     ECC_FIELD,

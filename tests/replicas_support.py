@@ -53,11 +53,11 @@ from typing import Any, NamedTuple, TypeVar
 
 import httpx
 import yaml
+from checkout import REPO_ROOT
 from factories import event_dict
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
-from medic.config import REPO_ROOT
 from medic.policy import load_policy
 from medic.store.migrate import VERSION_TABLE
 

@@ -8,7 +8,6 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from apps.cli.advise import advise_app
 from medic.advise import (
     advise_checkpoint,
     human_seconds,
@@ -17,6 +16,7 @@ from medic.advise import (
     optimal_interval,
     overhead,
 )
+from medic.apps.cli.advise import advise_app
 
 # Llama 3 405B pre-training (Meta, 2024): 16,384 GPUs, 419 unexpected interruptions in 54 days.
 LLAMA3_MTBF_HOURS = 54 * 24 / 419

@@ -1,12 +1,21 @@
 """Hardware ageing (medic/ageing.py): the score, its evidence, the trends, and the ranking found on
-simulated history with planted lemons (medic/fleetsim/lemons.py)."""
+simulated history with planted lemons (tests/lemons.py)."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
 import pytest
+from checkout import REPO_ROOT
 from factories import T0, fault_event
+from lemons import (
+    LemonParams,
+    by_incident_count,
+    incidents_of,
+    score,
+    score_health,
+    simulate_history,
+)
 
 from medic.ageing import (
     PastIncident,
@@ -16,15 +25,6 @@ from medic.ageing import (
     readings_of,
     theil_sen,
     trends,
-)
-from medic.config import REPO_ROOT
-from medic.fleetsim.lemons import (
-    LemonParams,
-    by_incident_count,
-    incidents_of,
-    score,
-    score_health,
-    simulate_history,
 )
 from medic.policy import load_policy
 

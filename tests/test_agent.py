@@ -18,14 +18,22 @@ from typing import Any
 import pytest
 from nvml_support import DRIVER_NOT_LOADED, GPU_IS_LOST, UNKNOWN, ShimState, build_shim, pci_bus_id, shim_env
 
-from apps.agent import Agent, AgentOptions
-from apps.server.decode import decode
-from integrations.kernel_log import KernelLog
-from integrations.nvml import EccCounts, GpuSnapshot, NodeSnapshot, NvmlXid, PcieLink, RowRemap, Unavailable
-from integrations.sinks import FileSink, HttpSink
 from medic.ageing import TREND_PER_DAY
+from medic.apps.agent import Agent, AgentOptions
+from medic.apps.server.decode import decode
 from medic.events import EventKind, FaultEvent
 from medic.intake import read_file
+from medic.integrations.kernel_log import KernelLog
+from medic.integrations.nvml import (
+    EccCounts,
+    GpuSnapshot,
+    NodeSnapshot,
+    NvmlXid,
+    PcieLink,
+    RowRemap,
+    Unavailable,
+)
+from medic.integrations.sinks import FileSink, HttpSink
 
 NODE = "gpu-node-07"
 XID_79 = "NVRM: Xid (PCI:{pci}): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
@@ -533,7 +541,7 @@ class AgentProcess:
         command = [
             sys.executable,
             "-m",
-            "apps.cli.agent",
+            "medic.apps.cli.agent",
             f"--interval={INTERVAL_S}",
             f"--kmsg={self.kmsg}",
             f"--sink={self.events_file}",
@@ -656,7 +664,7 @@ def test_once_polls_and_exits(shim: Path, tmp_path: Path) -> None:
     state = ShimState(tmp_path / "state")
     state.gpu(2, reasons=0x40, temp=91)
     done = subprocess.run(
-        [sys.executable, "-m", "apps.cli.agent", "--once", "--no-kmsg", "--sink=-", "--node", NODE],
+        [sys.executable, "-m", "medic.apps.cli.agent", "--once", "--no-kmsg", "--sink=-", "--node", NODE],
         env=shim_env(shim, state),
         capture_output=True,
         text=True,
@@ -673,7 +681,7 @@ def test_an_http_sink_needs_a_token(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "apps.cli.agent",
+            "medic.apps.cli.agent",
             "--once",
             "--sink=http://127.0.0.1:9",
             "--no-nvml",

@@ -12,17 +12,17 @@ from typing import Any
 from uuid import UUID
 
 import pytest
+from checkout import REPO_ROOT
 from factories import fault_event
 from prefect.client.orchestration import get_client
 from prefect.flow_runs import resume_flow_run
 
-from flows.dispatch import Dispatch, remediate_all
-from integrations.sim.fleet import SimFleet
-from integrations.sim.notifier import RecordingNotifier
-from medic.config import REPO_ROOT
+from medic.flows.dispatch import Dispatch, remediate_all
 from medic.intake import read_lines
+from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.sim.notifier import RecordingNotifier
 from medic.protocols import NodeState
-from tasks.runtime import Runtime
+from medic.tasks.runtime import Runtime
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -21,7 +21,7 @@ import boto3
 import pytest
 from torchrun_support import Run, free_port, torchrun
 
-from integrations.checkpoints import (
+from medic.integrations.checkpoints import (
     METADATA_FILE,
     DcpCheckpointStore,
     IncompleteCheckpoint,

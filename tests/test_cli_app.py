@@ -12,12 +12,19 @@ import typer
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from apps.cli.app import COMMANDS, app, build
+from medic.apps.cli.app import COMMANDS, app, build
 
 runner = CliRunner()
 
 # What `medic NAME` must not load for `policy`: the other families' heavy imports.
-_OTHERS = ("apps.cli.serve", "apps.cli.report", "apps.cli.simulate", "apps.cli.demo", "prefect", "httpx")
+_OTHERS = (
+    "medic.apps.cli.serve",
+    "medic.apps.cli.report",
+    "medic.apps.cli.simulate",
+    "medic.apps.cli.demo",
+    "prefect",
+    "httpx",
+)
 
 
 def test_the_root_lists_every_command_in_order() -> None:
@@ -39,7 +46,7 @@ def _load(argv: list[str]) -> dict[str, object]:
     code = (
         "import json, sys\n"
         f"sys.argv = ['medic', *{argv!r}]\n"
-        "from apps.cli.app import main\n"
+        "from medic.apps.cli.app import main\n"
         "try:\n    main()\nexcept SystemExit as stop:\n    code = stop.code\n"
         "print(json.dumps({'code': code, 'modules': sorted(sys.modules)}))\n"
     )
@@ -51,7 +58,7 @@ def test_a_command_loads_its_own_module_and_not_the_others() -> None:
     loaded = _load(["policy", "--help"])
     assert loaded["code"] == 0
     modules = set(loaded["modules"])  # type: ignore[arg-type]
-    assert "apps.cli.policy" in modules
+    assert "medic.apps.cli.policy" in modules
     assert not [m for m in _OTHERS if m in modules]
 
 

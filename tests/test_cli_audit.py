@@ -11,7 +11,7 @@ import pytest
 from audit_support import sql, work_incident
 from typer.testing import CliRunner
 
-from apps.cli.app import app
+from medic.apps.cli.app import app
 from medic.store import Store, utcnow
 
 runner = CliRunner()

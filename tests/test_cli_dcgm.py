@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import typer
+from checkout import REPO_ROOT
 from typer.testing import CliRunner
 
-from apps.cli.dcgm import dcgm_app
-from medic.config import REPO_ROOT
+from medic.apps.cli.dcgm import dcgm_app
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"

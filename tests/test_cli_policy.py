@@ -7,10 +7,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from checkout import REPO_ROOT
 from typer.testing import CliRunner
 
-from apps.cli.app import app
-from medic.config import REPO_ROOT
+from medic.apps.cli.app import app
 from medic.events import EventKind, FaultEvent
 from medic.policy import load_policy
 

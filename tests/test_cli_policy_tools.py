@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkout import REPO_ROOT
 from typer.testing import CliRunner
 
-from apps.cli.app import app
-from medic.config import REPO_ROOT
+from medic.apps.cli.app import app
 from medic.store import Store
 
 DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"

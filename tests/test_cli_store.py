@@ -12,7 +12,7 @@ import pytest
 from factories import fault_event
 from typer.testing import CliRunner
 
-from apps.cli.app import app
+from medic.apps.cli.app import app
 from medic.incidents import Incident, correlate
 from medic.policy.model import Action, Classification, Decision
 from medic.store import Store

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkout import REPO_ROOT
 from factories import event_line
 from rich.console import Console
 from typer.testing import CliRunner
 
-from apps.cli.app import app
-from medic.config import REPO_ROOT
+from medic.apps.cli.app import app
 from medic.policy.model import Action, Classification
 from medic.triage import TriageLine
 
@@ -233,7 +233,7 @@ def _medic_command() -> list[str]:
     script = Path(sys.executable).with_name("medic")
     if script.is_file():
         return [str(script)]
-    return [sys.executable, "-c", "from apps.cli.app import main; main()"]
+    return [sys.executable, "-c", "from medic.apps.cli.app import main; main()"]
 
 
 def test_console_script_prints_the_same_lines(tmp_path: Path) -> None:
@@ -262,13 +262,19 @@ def test_console_script_prints_the_same_lines(tmp_path: Path) -> None:
 
 # What `medic triage` must not load: Prefect, the store and its SQL toolkit, the backends. It holds
 # little more than the events in reach of its windows (BENCHMARKS.md, section 2a); those cost ~30 MB.
-_NOT_FOR_TRIAGE = ("prefect", "sqlalchemy", "medic.store", "tasks.runtime", "integrations.registry")
+_NOT_FOR_TRIAGE = (
+    "prefect",
+    "sqlalchemy",
+    "medic.store",
+    "medic.tasks.runtime",
+    "medic.integrations.registry",
+)
 
 
 def test_triage_loads_neither_prefect_nor_the_store(tmp_path: Path) -> None:
     events = write(tmp_path / "events.jsonl", [ev("x-1", "xid", attributes={"code": 79})])
     code = (
-        "import sys; from apps.cli.app import main\n"
+        "import sys; from medic.apps.cli.app import main\n"
         "sys.argv = ['medic', 'triage', sys.argv[1], '--json']\n"
         "try:\n    main()\nexcept SystemExit as stop:\n    assert not stop.code, stop.code\n"
         f"print(sorted(m for m in {_NOT_FOR_TRIAGE!r} if m in sys.modules), file=sys.stderr)"
@@ -294,7 +300,7 @@ def test_unreadable_events_file_exits_2_with_the_reason(
     def denied(path: Path) -> Any:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr("apps.cli.triage_parallel.read_file", denied)
+    monkeypatch.setattr("medic.apps.cli.triage_parallel.read_file", denied)
     result = runner.invoke(app, ["triage", str(events), "--json"])
     assert result.exit_code == 2
     assert result.stdout == ""
@@ -331,8 +337,8 @@ def test_progress_bar_on_a_terminal_only_and_never_on_stdout(
         [ev(f"p-{i}", "nan_loss", node=f"gpu-{i:03d}") for i in range(5)],
     )
     drawn = io.StringIO()
-    monkeypatch.setattr("apps.cli.triage.err", Console(file=drawn, force_terminal=terminal, width=200))
-    monkeypatch.setattr("apps.cli.triage.PROGRESS_EVERY", 1)
+    monkeypatch.setattr("medic.apps.cli.triage.err", Console(file=drawn, force_terminal=terminal, width=200))
+    monkeypatch.setattr("medic.apps.cli.triage.PROGRESS_EVERY", 1)
     lines, result = triage_json(str(events))
     assert len(lines) == 5
     assert all(line.startswith("{") for line in result.stdout.splitlines())  # stdout stays pure JSON

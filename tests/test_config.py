@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from integrations import registry
-from integrations.console_notifier import ConsoleNotifier
-from integrations.registry import BackendError, BackendNotConfiguredError
-from integrations.sim.fleet import SimFleet, UnknownSimNodeError
-from integrations.sim.notifier import RecordingNotifier
-from integrations.sim.scheduler import SimScheduler
 from medic.artifacts import Artifact
 from medic.config import load_settings
 from medic.errors import PermanentError
+from medic.integrations import registry
+from medic.integrations.console_notifier import ConsoleNotifier
+from medic.integrations.registry import BackendError, BackendNotConfiguredError
+from medic.integrations.sim.fleet import SimFleet, UnknownSimNodeError
+from medic.integrations.sim.notifier import RecordingNotifier
+from medic.integrations.sim.scheduler import SimScheduler
 from medic.policy import PolicyError
 from medic.protocols import Message
-from tasks import runtime
+from medic.tasks import runtime
 
 BIN = Path(sys.executable).parent
 

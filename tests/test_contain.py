@@ -12,25 +12,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkout import REPO_ROOT
 from factories import event_dict, fault_event
 from fastapi.testclient import TestClient
 from waiting import until
 
-from apps.server.app import create_app
-from flows.live import LiveDispatcher
-from integrations.registry import Backends
-from integrations.sim.fleet import SimFleet
-from medic.config import REPO_ROOT
+from medic.apps.server.app import create_app
+from medic.flows.live import LiveDispatcher
 from medic.incidents import Incident
+from medic.integrations.registry import Backends
+from medic.integrations.sim.fleet import SimFleet
 from medic.policy import Action
 from medic.protocols import NodeState
 from medic.statuses import ActStatus, StepStatus
 from medic.store import Store
-from tasks.act import act
-from tasks.contain import contain
-from tasks.evidence import evaluate
-from tasks.guard import ensure_limits, node_actions_slot
-from tasks.runtime import Runtime, configure
+from medic.tasks.act import act
+from medic.tasks.contain import contain
+from medic.tasks.evidence import evaluate
+from medic.tasks.guard import ensure_limits, node_actions_slot
+from medic.tasks.runtime import Runtime, configure
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -16,12 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from checkout import REPO_ROOT
 from factories import fault_event, incident
 
-from integrations import registry
-from integrations.dcgm import runner
-from integrations.dcgm.diagnostics import DcgmDiagnostics
-from integrations.dcgm.runner import (
+from medic.dcgm_errors import Severity
+from medic.facts import facts_of
+from medic.integrations import registry
+from medic.integrations.dcgm import runner
+from medic.integrations.dcgm.diagnostics import DcgmDiagnostics
+from medic.integrations.dcgm.runner import (
     LocalRunner,
     RunnerConfigError,
     SrunRunner,
@@ -29,16 +32,13 @@ from integrations.dcgm.runner import (
     run_process,
     runner_from_env,
 )
-from integrations.sim.fleet import SimFleet
-from medic.config import REPO_ROOT
-from medic.dcgm_errors import Severity
-from medic.facts import facts_of
+from medic.integrations.sim.fleet import SimFleet
 from medic.policy import Action
 from medic.protocols import DiagnosticResult, Diagnostics, NodeState
 from medic.store import Store
-from tasks import runtime as runtime_module
-from tasks.runtime import Runtime, configure
-from tasks.verify import verify
+from medic.tasks import runtime as runtime_module
+from medic.tasks.runtime import Runtime, configure
+from medic.tasks.verify import verify
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 NODE = "gpu-node-07"

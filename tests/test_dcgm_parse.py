@@ -12,11 +12,11 @@ from typing import Any
 
 import jsonschema
 import pytest
+from checkout import REPO_ROOT
 
-from integrations.dcgm.parse import NO_REASON, DcgmOutputError, Gap, Status, Verdict, parse_report
 from medic import dcgm_errors
-from medic.config import REPO_ROOT
 from medic.dcgm_errors import Severity
+from medic.integrations.dcgm.parse import NO_REASON, DcgmOutputError, Gap, Status, Verdict, parse_report
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
 V3 = FIXTURES / "v3"

@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 from nvml_support import DRIVER_NOT_LOADED, ShimState, build_shim, shim_env
 
-from integrations.dcgm.runner import LocalRunner
-from integrations.nvml_probe import NvmlProbe
 from medic.deep_check import (
     CheckResult,
     Verdict,
@@ -23,6 +21,8 @@ from medic.deep_check import (
     unfit_for_stress,
     verify_checks,
 )
+from medic.integrations.dcgm.runner import LocalRunner
+from medic.integrations.nvml_probe import NvmlProbe
 from medic.policy import Action, PolicyError, load_policy
 from medic.policy.deep_checks import CheckName, DeepChecks, Shape
 from medic.policy.loader import parse_policy
@@ -276,7 +276,7 @@ def shim(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def probe_read(shim: Path | None, state: ShimState, monkeypatch: pytest.MonkeyPatch) -> InstanceReading:
-    """`python -m integrations.nvml` run by the local runner, as on the node itself."""
+    """`python -m medic.integrations.nvml` run by the local runner, as on the node itself."""
     for name, value in shim_env(shim, state).items():
         monkeypatch.setenv(name, value)
     if shim is None:
@@ -328,7 +328,7 @@ def test_the_probe_refuses_a_node_it_cannot_reach() -> None:
 
 
 def test_the_dry_run_names_the_checks_verification_will_run() -> None:
-    from apps.cli.plan import plan_steps
+    from medic.apps.cli.plan import plan_steps
     from medic.policy import Classification, Decision
 
     deep = parse_policy(DEEP + RULES, "deep.yaml").deep_checks
@@ -344,7 +344,7 @@ def test_the_dry_run_names_the_checks_verification_will_run() -> None:
 
 
 def test_a_long_output_keeps_its_head_and_its_tail() -> None:
-    from tasks.deep_check import KEPT_HEAD, KEPT_TAIL, kept
+    from medic.tasks.deep_check import KEPT_HEAD, KEPT_TAIL, kept
 
     short = "# nThread 1 nGpus 1\n" * 10
     assert kept(short) == short

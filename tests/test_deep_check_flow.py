@@ -12,19 +12,19 @@ import pytest
 from factories import fault_event, incident
 from typer.testing import CliRunner
 
-from apps.cli.app import app
-from flows.deep_check import deep_check
-from flows.dispatch import Dispatch, remediate_all
-from integrations import registry
-from integrations.registry import Backends
-from integrations.sim.fleet import SimFleet
+from medic.apps.cli.app import app
 from medic.deep_check import Verdict
+from medic.flows.deep_check import deep_check
+from medic.flows.dispatch import Dispatch, remediate_all
 from medic.intake import read_lines
+from medic.integrations import registry
+from medic.integrations.registry import Backends
+from medic.integrations.sim.fleet import SimFleet
 from medic.policy.deep_checks import CheckName
 from medic.protocols import NodeState
 from medic.store import Store, utcnow
-from tasks.node_ops import reintegrate_node
-from tasks.runtime import Runtime, configure
+from medic.tasks.node_ops import reintegrate_node
+from medic.tasks.runtime import Runtime, configure
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

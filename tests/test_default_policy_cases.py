@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from medic.config import REPO_ROOT
+from checkout import REPO_ROOT
+
 from medic.policy import load_policy
-from medic.policy.testing import default_tests_path, load_tests, run_tests
+from medic.whatif.testing import default_tests_path, load_tests, run_tests
 
 POLICY = REPO_ROOT / "policies" / "default.yaml"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from apps.cli.app import app
+from medic.apps.cli.app import app
 from medic.store import Store
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

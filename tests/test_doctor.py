@@ -22,7 +22,7 @@ import pytest
 from slack_api import SlackApi, running_slack_api
 from test_slurm import Cluster, cluster  # noqa: F401  (the module's real Slurm cluster fixture)
 
-from integrations.probes import probe_aws, probe_prefect_ui, probe_store
+from medic.integrations.probes import probe_aws, probe_prefect_ui, probe_store
 
 BIN = Path(sys.executable).parent
 TOKEN = "xoxb-1234-doctor-test"

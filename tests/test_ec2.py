@@ -31,18 +31,18 @@ from typing import Any
 import boto3
 import pytest
 from botocore.client import BaseClient
+from checkout import REPO_ROOT
 from fake_time import FakeTime
 
-from integrations.ec2 import HOLDER_TAG, Ec2Provider
-from integrations.polling import NodeHeldError, NodeNotBackError
-from integrations.provider_errors import ProviderError, UnknownNodeError
-from integrations.registry import Backends
-from medic.config import REPO_ROOT
 from medic.errors import PermanentError, is_transient
+from medic.integrations.ec2 import HOLDER_TAG, Ec2Provider
+from medic.integrations.polling import NodeHeldError, NodeNotBackError
+from medic.integrations.provider_errors import ProviderError, UnknownNodeError
+from medic.integrations.registry import Backends
 from medic.protocols import NodeInfo, NodeProvider, NodeState, Reconcilable
 from medic.store import Store
-from tasks.reconcile import reconcile_intents
-from tasks.runtime import Runtime
+from medic.tasks.reconcile import reconcile_intents
+from medic.tasks.runtime import Runtime
 
 REGION = "us-east-1"
 AMI = "ami-12345678"

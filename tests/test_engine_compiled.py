@@ -266,7 +266,7 @@ def test_compiled_decisions_equal_the_reference(stream, out_of_service, context_
         ):
             decision = decide(policy, facts, SHA)
             assert decision == reference(policy, facts, SHA)
-            # A replay's short form (medic/policy/replay.py) stops at the winner: the same one.
+            # A replay's short form (medic/whatif/replay.py) stops at the winner: the same one.
             assert ruling(policy, facts) == (decision.rule, decision.action, decision.diagnose_level)
 
 

@@ -9,11 +9,12 @@ from botocore.exceptions import ClientError
 from prefect import Task, task
 from prefect.settings import PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW, temporary_settings
 
-from integrations.aws_errors import AwsApiError, api_error, node_action_error, transient
-from integrations.checkpoints import IncompleteCheckpoint
-from integrations.dcgm.parse import DcgmOutputError
-from integrations.dcgm.runner import RunnerConfigError
-from integrations.provider_errors import (
+from medic.errors import MedicError, PermanentError, TransientError
+from medic.integrations.aws_errors import AwsApiError, api_error, node_action_error, transient
+from medic.integrations.checkpoints import IncompleteCheckpoint
+from medic.integrations.dcgm.parse import DcgmOutputError
+from medic.integrations.dcgm.runner import RunnerConfigError
+from medic.integrations.provider_errors import (
     ActionRefusedError,
     AmbiguousNodeError,
     InvalidNodeIdError,
@@ -21,12 +22,12 @@ from integrations.provider_errors import (
     ProviderError,
     UnknownNodeError,
 )
-from integrations.registry import BackendError
-from integrations.sim.fleet import SimFleet
-from integrations.slack.interactions import InteractionError
-from integrations.slack.notifier import NotifyError, NotifyRefusedError, NotifyUnavailableError
-from integrations.slack.signature import SignatureError
-from integrations.slurm import (
+from medic.integrations.registry import BackendError
+from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.slack.interactions import InteractionError
+from medic.integrations.slack.notifier import NotifyError, NotifyRefusedError, NotifyUnavailableError
+from medic.integrations.slack.signature import SignatureError
+from medic.integrations.slurm import (
     NodeHeldByOthersError,
     NotRequeueableError,
     ResumeRefusedError,
@@ -40,13 +41,12 @@ from integrations.slurm import (
     UnknownSlurmNodeError,
     UnsupportedSlurmActionError,
 )
-from medic.errors import MedicError, PermanentError, TransientError
 from medic.policy import Decision, PolicyError
 from medic.policy.model import DuplicateRuleId
-from tasks.act import act
-from tasks.guard import SlotBusy, SlotLimitMissing, SlotUnavailable
-from tasks.retry import transient_only
-from tasks.runtime import Runtime
+from medic.tasks.act import act
+from medic.tasks.guard import SlotBusy, SlotLimitMissing, SlotUnavailable
+from medic.tasks.retry import transient_only
+from medic.tasks.runtime import Runtime
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -11,8 +11,8 @@ import pytest
 from factories import fault_event
 from typer.testing import CliRunner
 
-from apps.cli.app import app
 from medic.ageing import PastIncident, Reading
+from medic.apps.cli.app import app
 from medic.events import FaultEvent
 from medic.incidents import Incident, correlate
 from medic.store import Store

@@ -11,20 +11,20 @@ from typing import Any
 from uuid import UUID
 
 import pytest
+from checkout import REPO_ROOT
 from factories import fault_event
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-from flows.dispatch import Dispatch, remediate_all
-from flows.remediate import remediate
-from integrations.sim.fleet import SimFleet
-from integrations.sim.notifier import RecordingNotifier
 from medic.artifacts import Artifact
-from medic.config import REPO_ROOT
 from medic.errors import PermanentError
+from medic.flows.dispatch import Dispatch, remediate_all
+from medic.flows.remediate import remediate
 from medic.intake import Intake, read_lines
+from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.sim.notifier import RecordingNotifier
 from medic.protocols import Message, NodeState
-from tasks.runtime import Runtime
+from medic.tasks.runtime import Runtime
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -232,7 +232,7 @@ def test_a_claim_lost_in_a_race_does_not_act(
     runtime: Runtime, training: SimFleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from medic.policy import Decision
-    from tasks.act import act
+    from medic.tasks.act import act
 
     key = "inc-race:gpu-node-1:reboot"
     runtime.store.claim_action(key, "inc-race", "gpu-node-1", "reboot")  # another run, mid-reboot
@@ -252,7 +252,7 @@ def _incident_id(intake: Intake) -> str:
 def test_notification_outage_does_not_stop_remediation(
     runtime: Runtime, training: SimFleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("tasks.notify.FLUSH_S", 1.0)
+    monkeypatch.setattr("medic.tasks.notify.FLUSH_S", 1.0)
 
     class Down:
         def post(self, message: Message) -> str:
@@ -376,7 +376,7 @@ def test_a_run_that_died_after_its_reboot_is_finished_by_the_next(
     reboot done (not repeated) and verifies and brings the node back, rather than closing with the node
     left out of service. The default policy's node cooldown does not count the incident's own reboot
     against it."""
-    import flows.remediate as remediate_flow
+    import medic.flows.remediate as remediate_flow
 
     events = [line(1, "xid", "gpu-node-1", job="llm", attributes={"code": 79})]
     intake = read_lines(events, "x.jsonl")

@@ -9,14 +9,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkout import REPO_ROOT
 from factories import fault_event
 
-from flows.dispatch import Dispatch, remediate_all
-from integrations.sim.fleet import SimFleet
-from integrations.sim.notifier import RecordingNotifier
-from medic.config import REPO_ROOT
+from medic.flows.dispatch import Dispatch, remediate_all
 from medic.intake import read_lines
-from tasks.runtime import Runtime
+from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.sim.notifier import RecordingNotifier
+from medic.tasks.runtime import Runtime
 
 DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
 

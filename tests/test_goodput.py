@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 from typer.testing import CliRunner
 
-from apps.cli.app import app
+from medic.apps.cli.app import app
 from medic.goodput import IncidentCost, job_goodput
 from medic.store import Store
 from medic.store.tables import GoodputRecord

@@ -7,9 +7,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from checkout import REPO_ROOT
 from factories import T0, fault_event
 
-from medic.config import REPO_ROOT
 from medic.events import FaultEvent
 from medic.policy import Action, Classification, Decision, load_policy
 from medic.policy.guardrails import FleetState, apply, breaker_trips, check, takes_node_out

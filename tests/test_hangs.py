@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -12,18 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch._C._distributed_c10d as c10d
+from checkout import REPO_ROOT
 from factories import T0, fault_event
-from torchrun_support import TRAINING_DIR
 
-from flows.live import LiveDispatcher
-from integrations.registry import Backends
-from medic.config import REPO_ROOT
 from medic.culprit import Differential, differential
 from medic.events import EventKind, FaultEvent
+from medic.flows.live import LiveDispatcher
 from medic.hangs import attribute, flight_recorder_position
+from medic.integrations.registry import Backends
 from medic.peers import TIMINGS_CHECK
 from medic.store import Store
-from tasks.runtime import Runtime, configure
+from medic.tasks.runtime import Runtime, configure
+from medic.training.medic_hooks import MedicHooks
 
 JOB, WORLD = "llm", 4
 NODE_OF = {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"}
@@ -263,9 +262,6 @@ def test_flight_recorder_position_falls_back_to_the_entries() -> None:
 
 
 # --- The hooks' side: where a rank was when its collective timed out ----------------------------
-
-sys.path.insert(0, str(TRAINING_DIR))
-from medic_hooks import MedicHooks  # noqa: E402  # a file beside the training job, not a package
 
 
 def test_the_hooks_timeout_says_which_collective_the_rank_was_in(tmp_path: Path) -> None:

@@ -18,20 +18,20 @@ from typing import Any
 import pytest
 from factories import fault_event
 
-from flows.dispatch import Dispatch, remediate_all
-from integrations.dcgm.runner import LocalRunner
-from integrations.host_evidence import KERNEL_LOG_BYTES, NodeHostEvidence, gpu_lines
-from integrations.registry import Backends
-from integrations.sim.fleet import SimFleet
-from integrations.sim.notifier import RecordingNotifier
-from integrations.sim.provider import SimProvider
 from medic.audit import incident_markdown
+from medic.flows.dispatch import Dispatch, remediate_all
 from medic.intake import read_lines
+from medic.integrations.dcgm.runner import LocalRunner
+from medic.integrations.host_evidence import KERNEL_LOG_BYTES, NodeHostEvidence, gpu_lines
+from medic.integrations.registry import Backends
+from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.sim.notifier import RecordingNotifier
+from medic.integrations.sim.provider import SimProvider
 from medic.policy import Action
 from medic.statuses import StepStatus
 from medic.store import Store
-from tasks import host_evidence
-from tasks.runtime import Runtime, configure
+from medic.tasks import host_evidence
+from medic.tasks.runtime import Runtime, configure
 
 FIXTURES = Path(__file__).parent / "fixtures"
 KERNEL_LOG = (FIXTURES / "xid" / "kernel_log.txt").read_text()

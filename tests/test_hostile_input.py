@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkout import REPO_ROOT
 from factories import event_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from apps.cli.app import app
-from medic.config import REPO_ROOT
+from medic.apps.cli.app import app
 from medic.events import INT64_MAX, INT64_MIN, FaultEvent
 from medic.intake import MAX_LINE_BYTES, Rejection, parse_line, read_file, read_lines
 from medic.policy import PolicyError, load_policy
@@ -36,7 +36,7 @@ from medic.policy.loader import (
     decode_policy,
     parse_policy,
 )
-from medic.policy.testing import load_tests
+from medic.whatif.testing import load_tests
 
 DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
 
@@ -173,7 +173,9 @@ def test_a_2gb_style_line_in_a_file_is_never_held_whole(tmp_path: Path) -> None:
 def _medic() -> list[str]:
     script = Path(sys.executable).with_name("medic")
     return (
-        [str(script)] if script.is_file() else [sys.executable, "-c", "from apps.cli.app import main; main()"]
+        [str(script)]
+        if script.is_file()
+        else [sys.executable, "-c", "from medic.apps.cli.app import main; main()"]
     )
 
 

@@ -29,12 +29,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_hostile_input import JSON_VALUES, event_like
 
-from apps.server import sentry
-from apps.server.app import create_app
-from apps.server.auth import sign
-from apps.server.slack import SlackCallbacks
-from integrations.slack.blocks import APPROVE_ACTION, REJECT_ACTION
-from integrations.slack.signature import SECRET_ENV as SLACK_SECRET_ENV
+from medic.apps.server import sentry
+from medic.apps.server.app import create_app
+from medic.apps.server.auth import sign
+from medic.apps.server.slack import SlackCallbacks
+from medic.integrations.slack.blocks import APPROVE_ACTION, REJECT_ACTION
+from medic.integrations.slack.signature import SECRET_ENV as SLACK_SECRET_ENV
 from medic.store import Store
 from medic.store.tables import ApprovalRecord, EventRecord, RejectedRecord
 

@@ -17,16 +17,16 @@ from botocore.client import BaseClient
 from botocore.stub import Stubber
 from fake_time import FakeTime
 
-from integrations.aws_retry import RetryPolicy
-from integrations.hyperpod import HELD, HyperPodProvider
-from integrations.polling import NodeHeldError, NodeNotBackError
-from integrations.provider_errors import (
+from medic.errors import PermanentError, is_transient
+from medic.integrations.aws_retry import RetryPolicy
+from medic.integrations.hyperpod import HELD, HyperPodProvider
+from medic.integrations.polling import NodeHeldError, NodeNotBackError
+from medic.integrations.provider_errors import (
     InvalidNodeIdError,
     NodeActionError,
     PermanentNodeActionError,
     UnknownNodeError,
 )
-from medic.errors import PermanentError, is_transient
 from medic.protocols import NodeInfo, NodeProvider, NodeState, Reconcilable
 
 CLUSTER = "train-p5"

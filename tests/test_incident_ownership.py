@@ -22,16 +22,16 @@ from factories import fault_event, incident
 from sqlalchemy import create_engine, text
 from sqlmodel import select
 
-from flows.leases import Leases, runner_name
-from flows.live import LiveDispatcher
-from integrations.sim.fleet import SimFleet
 from medic.events import FaultEvent
+from medic.flows.leases import Leases, runner_name
+from medic.flows.live import LiveDispatcher
+from medic.integrations.sim.fleet import SimFleet
 from medic.policy.model import Action, Classification, Decision
 from medic.statuses import ACTIVE_INCIDENT_STATUSES, ActStatus, IncidentStatus
 from medic.store import Store, utcnow
 from medic.store.tables import _ACTIVE_SQL, EventRecord, IncidentRecord
-from tasks.act import act
-from tasks.runtime import Runtime
+from medic.tasks.act import act
+from medic.tasks.runtime import Runtime
 
 OPENERS = 4
 EACH = 10

@@ -9,9 +9,9 @@ from itertools import pairwise
 from typing import Any
 
 import pytest
+from checkout import REPO_ROOT
 from factories import T0, fault_event
 
-from medic.config import REPO_ROOT
 from medic.events import EventKind, FaultEvent
 from medic.incidents import DEFAULT_WINDOW, Incident, StormRule, Storms, correlate, incident_id
 from medic.policy import load_policy

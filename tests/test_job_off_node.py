@@ -15,21 +15,21 @@ from typing import Any
 
 import pytest
 import test_slurm
+from checkout import REPO_ROOT
 from factories import fault_event
 from test_slurm import Cluster
 
-from flows.dispatch import Dispatch, remediate_all
-from flows.remediate import Outcome
-from integrations import registry
-from integrations.sim.fleet import SimFleet
-from integrations.slurm import SlurmCli, SlurmRebootProvider, SlurmScheduler
-from integrations.slurm.errors import SlurmUnreachableError
-from medic.config import REPO_ROOT
+from medic.flows.dispatch import Dispatch, remediate_all
+from medic.flows.remediate import Outcome
 from medic.intake import read_lines
+from medic.integrations import registry
+from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.slurm import SlurmCli, SlurmRebootProvider, SlurmScheduler
+from medic.integrations.slurm.errors import SlurmUnreachableError
 from medic.protocols import JobState, NodeState
 from medic.store import IncidentDetail, Store
-from tasks import runtime as runtime_module
-from tasks.runtime import Runtime, configure
+from medic.tasks import runtime as runtime_module
+from medic.tasks.runtime import Runtime, configure
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 # tests/test_slurm.py's fixtures: the Slurm tests here get a cluster of their own (module scope).

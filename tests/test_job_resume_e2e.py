@@ -14,19 +14,19 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from checkout import REPO_ROOT
+from local_jobs import LocalTorchrunScheduler
 from torchrun_support import Run, torchrun
 
-from flows.dispatch import Dispatch, remediate_all
-from integrations import registry
-from integrations.checkpoints import DcpCheckpointStore
-from integrations.local_jobs import LocalTorchrunScheduler
-from integrations.sim.fleet import SimFleet
-from medic.config import REPO_ROOT
 from medic.events import FaultEvent
+from medic.flows.dispatch import Dispatch, remediate_all
 from medic.intake import read_lines
+from medic.integrations import registry
+from medic.integrations.checkpoints import DcpCheckpointStore
+from medic.integrations.sim.fleet import SimFleet
 from medic.protocols import JobInfo, JobState, NodeState
 from medic.store import Store
-from tasks.runtime import Runtime, configure
+from medic.tasks.runtime import Runtime, configure
 
 # A resume that never shows progress would hold the flow for its 900 s wait: fail well before.
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("prefect_harness"), pytest.mark.timeout(180)]

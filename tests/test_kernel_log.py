@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.kernel_log import KernelLog, KernelSxid, KernelXid, parse_sxid, parse_xid
+from medic.integrations.kernel_log import KernelLog, KernelSxid, KernelXid, parse_sxid, parse_xid
 
 
 @pytest.mark.parametrize(

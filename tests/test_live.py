@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlencode
 
 import pytest
+from checkout import REPO_ROOT
 from factories import event_dict, fault_event
 from fastapi.testclient import TestClient
 from prefect.flow_runs import resume_flow_run
@@ -22,18 +23,17 @@ from slack_api import SlackApi, running_slack_api
 from slack_sdk import WebClient
 from waiting import until
 
-from apps.server.app import create_app
-from apps.server.slack import SlackCallbacks
-from flows.live import LiveDispatcher
-from integrations.registry import Backends
-from integrations.sim.fleet import SimFleet
-from integrations.slack.notifier import SlackNotifier
-from medic.config import REPO_ROOT
+from medic.apps.server.app import create_app
+from medic.apps.server.slack import SlackCallbacks
 from medic.events import FaultEvent
+from medic.flows.live import LiveDispatcher
+from medic.integrations.registry import Backends
+from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.slack.notifier import SlackNotifier
 from medic.protocols import NodeState
 from medic.store import Store
 from medic.store.tables import IncidentRecord
-from tasks.runtime import Runtime, configure
+from medic.tasks.runtime import Runtime, configure
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from local_jobs import LocalTorchrunScheduler, without_one_shot
 
-from integrations.local_jobs import LocalTorchrunScheduler, without_one_shot
-from integrations.processes import running
-from integrations.sim.fleet import SimFleet
+from medic.integrations.processes import running
+from medic.integrations.sim.fleet import SimFleet
 from medic.protocols import JobState, NodeState
 
 JOB = "long"

@@ -22,9 +22,7 @@ import torch.distributed as dist
 from torchrun_support import TRAINING_DIR, free_port
 
 from medic.events import EventKind, FaultEvent
-
-sys.path.insert(0, str(TRAINING_DIR))
-from medic_hooks import Event, Kind, MedicHooks
+from medic.training.medic_hooks import Event, Kind, MedicHooks
 
 JOB, NODE, RANK = "llm-7b", "gpu-node-07", 3
 

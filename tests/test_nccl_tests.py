@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from integrations.nccl_tests import (
+from medic.deep_check import Verdict, judge_all_reduce
+from medic.integrations.nccl_tests import (
     NcclTestsAllReduce,
     NcclTestsConfigError,
     NcclTestsOutputError,
     parse_output,
 )
-from medic.deep_check import Verdict, judge_all_reduce
 from medic.policy.deep_checks import Shape
 from medic.protocols import AllReduceSpec
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from integrations.dcgm.runner import Completed, LocalRunner
-from integrations.nic_loopback import (
+from medic.deep_check import Verdict, judge_nic_loopback, overall
+from medic.integrations.dcgm.runner import Completed, LocalRunner
+from medic.integrations.nic_loopback import (
     MISSING,
     IbWriteBwLoopback,
     PerftestOutputError,
@@ -20,7 +21,6 @@ from integrations.nic_loopback import (
     parse_latency,
     parse_output,
 )
-from medic.deep_check import Verdict, judge_nic_loopback, overall
 from medic.policy.deep_checks import DeepChecks, Shape
 from medic.protocols import NicLatencyRun, NicLoopbackRun, NicLoopbackTest
 

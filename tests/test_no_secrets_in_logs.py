@@ -33,8 +33,8 @@ from slack_api import running_slack_api
 from sqlalchemy import create_engine, make_url, text
 from test_server import free_port, make_app, serving
 
-from apps.server.auth import sign
-from integrations.slack.blocks import APPROVE_ACTION
+from medic.apps.server.auth import sign
+from medic.integrations.slack.blocks import APPROVE_ACTION
 from medic.statuses import ACTIVE_INCIDENT_STATUSES
 from medic.store import Store
 
@@ -54,7 +54,7 @@ SECRETS = {
     DATABASE_PASSWORD: "the password in MEDIC_DATABASE_URL",
 }
 FIXTURES = Path(__file__).parent / "fixtures"
-MEDIC_SERVE = [sys.executable, "-c", "from apps.cli.app import main; main()", "serve"]
+MEDIC_SERVE = [sys.executable, "-c", "from medic.apps.cli.app import main; main()", "serve"]
 
 
 def leaks(directories: list[Path], files: list[Path]) -> list[str]:
@@ -314,7 +314,7 @@ async def test_healthz_names_no_host_database_user_or_password_when_postgresql_i
         connect_args={"connect_timeout": 2},
     )
     try:
-        with caplog.at_level(logging.WARNING, logger="apps.server"):
+        with caplog.at_level(logging.WARNING, logger="medic.apps.server"):
             async with serving(make_app(postgres_store)) as client:
                 down = await client.get("/healthz")
     finally:

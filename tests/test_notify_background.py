@@ -12,21 +12,21 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from checkout import REPO_ROOT
 from factories import fault_event
 from slack_api import SlackApi, running_slack_api
 from slack_sdk import WebClient
 
-from flows.dispatch import Dispatch, remediate_all
-from integrations import registry
-from integrations.sim.fleet import SimFleet
-from integrations.slack.notifier import NotifyRefusedError, NotifyUnavailableError, SlackNotifier
-from medic.config import REPO_ROOT
+from medic.flows.dispatch import Dispatch, remediate_all
 from medic.intake import read_lines
+from medic.integrations import registry
+from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.slack.notifier import NotifyRefusedError, NotifyUnavailableError, SlackNotifier
 from medic.protocols import Message, NodeState
 from medic.store import Store
 from medic.store.tables import StepRecord
-from tasks.notify import IncidentThread
-from tasks.runtime import Runtime, configure
+from medic.tasks.notify import IncidentThread
+from medic.tasks.runtime import Runtime, configure
 
 SLACK_TOKEN = "xoxb-test-token"
 CHANNEL_ID = "C0GPUOPS"
@@ -64,7 +64,7 @@ class Scripted:
 
 @pytest.fixture
 def scripted_runtime(sqlite_store: Store, monkeypatch: pytest.MonkeyPatch) -> Runtime:
-    monkeypatch.setattr("tasks.notify.BACKOFF_S", (0.05,))
+    monkeypatch.setattr("medic.tasks.notify.BACKOFF_S", (0.05,))
     backends, _ = registry.simulated()
     return configure(Runtime(sqlite_store, backends, DEFAULT_POLICY))
 
@@ -298,7 +298,7 @@ def test_slack_down_for_good_costs_the_run_at_most_the_final_flush(
 def test_the_final_flush_tries_again_at_once_rather_than_wait_out_a_long_pause(
     scripted_runtime: Runtime, sqlite_store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("tasks.notify.BACKOFF_S", (30.0,))  # as after minutes of an outage
+    monkeypatch.setattr("medic.tasks.notify.BACKOFF_S", (30.0,))  # as after minutes of an outage
     notifier = Scripted(failures=2)
     scripted_runtime.backends.notifier = notifier
     sqlite_store.open_incident(_incident("inc-pause"))

@@ -22,13 +22,13 @@ from nvml_support import (
     shim_env,
 )
 
-from integrations import nvml
-from integrations.nvml import PcieLink, decode_clock_reasons, normalize_pci_bus_id
+from medic.integrations import nvml
+from medic.integrations.nvml import PcieLink, decode_clock_reasons, normalize_pci_bus_id
 
 # Each element of STATES is written as the shim's state before one read of one NvmlSession.
 READS = """
 import dataclasses, json, os, sys
-from integrations.nvml import NvmlSession
+from medic.integrations.nvml import NvmlSession
 path, states = sys.argv[1], json.loads(sys.argv[2])
 out = []
 with NvmlSession() as session:
@@ -198,7 +198,7 @@ def test_a_driver_that_goes_away_and_comes_back(shim: Path, state: ShimState) ->
 
 
 def test_no_driver_is_unavailable(state: ShimState) -> None:
-    code = "import json; from integrations.nvml import snapshot; print(json.dumps(repr(snapshot())))"
+    code = "import json; from medic.integrations.nvml import snapshot; print(json.dumps(repr(snapshot())))"
     assert (
         run_python(code, shim_env(None, None)) == "Unavailable(reason='NVML: NVML Shared Library Not Found')"
     )

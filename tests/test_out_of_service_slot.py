@@ -15,26 +15,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkout import REPO_ROOT
 from factories import fault_event
 from prefect import flow
 
-import tasks.diagnose
-import tasks.guard
-from flows.dispatch import record, remediate_all
-from flows.remediate import Outcome, remediate
-from integrations.sim.fleet import SimFleet
-from integrations.sim.notifier import RecordingNotifier
-from medic.config import REPO_ROOT
+from medic.flows.dispatch import record, remediate_all
+from medic.flows.remediate import Outcome, remediate
 from medic.intake import read_lines
+from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.sim.notifier import RecordingNotifier
 from medic.policy import Action, Decision
 from medic.policy.guardrails import check
 from medic.policy.model import Classification
 from medic.protocols import Message, NodeState
 from medic.store import utcnow
-from tasks.evidence import fleet_state
-from tasks.guard import guarded
-from tasks.node_ops import OutsideGuardrailSlotError, ensure_drained, take_out_of_service
-from tasks.runtime import Runtime
+from medic.tasks import diagnose as diagnose_task
+from medic.tasks import guard as guard_task
+from medic.tasks.evidence import fleet_state
+from medic.tasks.guard import guarded
+from medic.tasks.node_ops import OutsideGuardrailSlotError, ensure_drained, take_out_of_service
+from medic.tasks.runtime import Runtime
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -246,13 +246,13 @@ def test_a_node_rebooting_counts_as_out(runtime: Runtime, fleet: SimFleet) -> No
 
 def count_acquisitions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     acquired = [0]
-    real = tasks.guard._acquire
+    real = guard_task._acquire
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         acquired[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(tasks.guard, "_acquire", counting)
+    monkeypatch.setattr(guard_task, "_acquire", counting)
     return acquired
 
 
@@ -306,7 +306,7 @@ def test_concurrent_level_2_diagnostics_never_exceed_max_out_of_service(
     decided = threading.Barrier(len(nodes), timeout=120)
     answered: set[str] = set()
     all_answered = threading.Condition()
-    real_take = tasks.diagnose.take_out_of_service
+    real_take = diagnose_task.take_out_of_service
 
     def take_after_all_decided(rt: Runtime, incident_id: str, node: str, intent: Decision, why: str) -> Any:
         decided.wait()
@@ -317,7 +317,7 @@ def test_concurrent_level_2_diagnostics_never_exceed_max_out_of_service(
                 answered.add(node)
                 all_answered.notify_all()
 
-    monkeypatch.setattr(tasks.diagnose, "take_out_of_service", take_after_all_decided)
+    monkeypatch.setattr(diagnose_task, "take_out_of_service", take_after_all_decided)
     diagnostics = runtime.backends.diagnostics
     real_run = diagnostics.run
 

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import pytest
 from factories import fault_event
-from torchrun_support import TRAINING_DIR
 
 from medic.culprit import differential
 from medic.events import EventKind, FaultEvent
 from medic.intake import read_lines
 from medic.peers import TIMINGS_CHECK, PeerDetector, Thresholds, detect, judge, timings_of
 from medic.profiles import LOOKBACK
+from medic.training.medic_hooks import MedicHooks
 
 JOB, WORLD, EVERY = "llm", 8, 10
 NODE_OF = {rank: f"gpu-{rank // 4:03d}" for rank in range(WORLD)}  # 4 ranks per node
@@ -205,9 +204,6 @@ def test_a_profile_from_long_before_is_no_evidence_of_this_slowdown() -> None:
 
 
 # --- The hooks' side: what a rank reports (deployments/training/medic_hooks.py) -------------------
-
-sys.path.insert(0, str(TRAINING_DIR))
-from medic_hooks import MedicHooks  # noqa: E402  # a file beside the training job, not a package
 
 
 def rank_hooks(sink: Path, rank: int = 1, **options: object) -> MedicHooks:

@@ -10,19 +10,19 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from checkout import REPO_ROOT
 from factories import fault_event
 
 from medic.ageing import PastIncident
-from medic.config import REPO_ROOT
 from medic.facts import facts_of
 from medic.incidents import Incident, correlate
 from medic.policy import LoadedPolicy, PolicyError, decide, load_policy
 from medic.policy.loader import parse_policy
-from medic.policy.replay import FactsRecord, facts_from, record_facts
-from medic.policy.testing import default_tests_path, load_tests, run_tests
+from medic.tasks.evidence import evaluate
+from medic.tasks.runtime import Runtime
 from medic.triage import triage
-from tasks.evidence import evaluate
-from tasks.runtime import Runtime
+from medic.whatif.replay import FactsRecord, facts_from, record_facts
+from medic.whatif.testing import default_tests_path, load_tests, run_tests
 
 EXAMPLE = REPO_ROOT / "policies" / "examples" / "replace-ageing-gpu.yaml"
 AGEING = """

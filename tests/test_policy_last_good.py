@@ -12,18 +12,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from checkout import REPO_ROOT
 from factories import event_dict
 from fastapi.testclient import TestClient
 from waiting import until
 
-from apps.server.app import create_app
-from flows.live import LiveDispatcher
-from integrations.registry import Backends
-from integrations.sim.notifier import RecordingNotifier
-from medic.config import REPO_ROOT
+from medic.apps.server.app import create_app
+from medic.flows.live import LiveDispatcher
+from medic.integrations.registry import Backends
+from medic.integrations.sim.notifier import RecordingNotifier
 from medic.policy import load_policy
 from medic.store import Store
-from tasks.runtime import Runtime, configure
+from medic.tasks.runtime import Runtime, configure
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -240,7 +240,7 @@ def test_the_default_policy_asks_before_every_replace():
 def test_policy_check_refuses_an_approver_by_name_with_its_place(tmp_path):
     from typer.testing import CliRunner
 
-    from apps.cli.app import app
+    from medic.apps.cli.app import app
 
     path = tmp_path / "site.yaml"
     path.write_text(GOOD.replace("rules:\n", "approvals:\n  approvers: [U024BE7LH, alice]\nrules:\n", 1))

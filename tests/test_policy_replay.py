@@ -10,26 +10,26 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from checkout import REPO_ROOT
 from factories import fault_event
 from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
 
-from apps.cli.app import app
-from integrations import registry
-from integrations.sim.fleet import SimFleet
-from medic.config import REPO_ROOT
+from medic.apps.cli.app import app
 from medic.context import Context
 from medic.events import FaultEvent
 from medic.facts import Facts, facts_of
 from medic.incidents import correlate
+from medic.integrations import registry
+from medic.integrations.sim.fleet import SimFleet
 from medic.policy import load_policy
-from medic.policy.replay import ChangeLimit, FactsRecord, ReplayReport, facts_from, record_facts, replay
 from medic.store import Store
 from medic.store.migrations import baseline
 from medic.store.tables import BreakerRecord
-from tasks.decide import decide_incident
-from tasks.runtime import Runtime, configure
-from tasks.triage import triage
+from medic.tasks.decide import decide_incident
+from medic.tasks.runtime import Runtime, configure
+from medic.tasks.triage import triage
+from medic.whatif.replay import ChangeLimit, FactsRecord, ReplayReport, facts_from, record_facts, replay
 
 DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
 runner = CliRunner()

@@ -10,20 +10,20 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from checkout import REPO_ROOT
 from forks_support import assert_helper_ends_with_its_parent
 from sqlalchemy import func, select, text, update
 from sqlmodel import col
 
-import apps.cli.replay_parallel as parallel
+import medic.apps.cli.replay_parallel as parallel
 from bench.replay import fill
-from medic.config import REPO_ROOT
 from medic.events import EventKind
 from medic.policy import LoadedPolicy, load_policy
 from medic.policy.model import Action, Policy
-from medic.policy.replay import History, Redeciding, decided_as_one, replay
-from medic.policy.replay_report import Judge, Outcome, Redecided, Redecisions, ReplayReport, judge
 from medic.store import Store
 from medic.store.tables import DecisionRecord, IncidentRecord
+from medic.whatif.replay import History, Redeciding, decided_as_one, replay
+from medic.whatif.replay_report import Judge, Outcome, Redecided, Redecisions, ReplayReport, judge
 
 DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
 
@@ -282,7 +282,7 @@ def _own_events(history: History) -> set[str]:
 
 STUCK = """
 import sys, time
-import apps.cli.replay_parallel as parallel
+import medic.apps.cli.replay_parallel as parallel
 from medic.policy import load_policy
 from medic.store import Store
 parallel.HANDFUL = 5

@@ -19,6 +19,7 @@ from pathlib import Path
 from uuid import UUID
 
 import pytest
+from checkout import REPO_ROOT
 from factories import event_line
 from playwright.sync_api import expect, sync_playwright
 from prefect.client.orchestration import get_client
@@ -28,13 +29,12 @@ from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from bench.prefect_server import prefect_on_postgres
-from flows.dispatch import remediate_all
-from integrations import registry
-from integrations.sim.fleet import SimFleet
-from medic.config import REPO_ROOT
+from medic.flows.dispatch import remediate_all
 from medic.intake import read_lines
+from medic.integrations import registry
+from medic.integrations.sim.fleet import SimFleet
 from medic.store import Store
-from tasks.runtime import Runtime, configure
+from medic.tasks.runtime import Runtime, configure
 
 pytestmark = pytest.mark.system
 

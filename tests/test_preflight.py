@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from checkout import REPO_ROOT
 from nvidia_smi import node, recorded
 
-from apps.hooks import preflight_events
-from medic.config import REPO_ROOT
+from medic.apps.hooks import preflight_events
 from medic.events import EventKind
 from medic.facts import facts_of
 from medic.incidents import correlate

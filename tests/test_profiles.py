@@ -5,21 +5,17 @@ The whole path in a real torchrun job is in tests/test_culprit_jobs.py."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from factories import fault_event
-from torchrun_support import TRAINING_DIR
 
 from medic.artifacts import Artifact, ArtifactLinks, artifacts_of
 from medic.events import EventKind, FaultEvent
-
-sys.path.insert(0, str(TRAINING_DIR))
-from medic_hooks import MAX_PROFILE_STEPS, MedicHooks, Slowdown  # beside the job, not a package
-from profiling import StepProfiler
+from medic.training.medic_hooks import MAX_PROFILE_STEPS, MedicHooks, Slowdown
+from medic.training.profiling import StepProfiler
 
 JOB, RANK = "llm", 2
 REQUEST = f"{JOB}-r{RANK}.profile-request"

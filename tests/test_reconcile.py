@@ -3,9 +3,9 @@ time; tests/test_slurm.py, test_ec2.py and test_hyperpod.py settle on the real o
 
 from __future__ import annotations
 
-from integrations.sim.fleet import SimFleet
-from tasks.reconcile import reconcile_intents
-from tasks.runtime import Runtime
+from medic.integrations.sim.fleet import SimFleet
+from medic.tasks.reconcile import reconcile_intents
+from medic.tasks.runtime import Runtime
 
 
 def test_a_reboot_that_happened_is_marked_done(runtime: Runtime, fleet: SimFleet) -> None:

@@ -20,7 +20,7 @@ from factories import fault_event, incident
 from sqlalchemy import event as sa_event
 from typer.testing import CliRunner
 
-from apps.cli.app import app
+from medic.apps.cli.app import app
 from medic.goodput import incident_costs
 from medic.report import build_report, distribution
 from medic.store import Store

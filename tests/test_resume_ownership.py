@@ -13,23 +13,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from checkout import REPO_ROOT
 from factories import event_line, fault_event, incident
 from typer.testing import CliRunner
 
-from apps.cli.app import app
-from flows.dispatch import Dispatch, remediate_all
-from flows.remediate import Outcome
-from integrations.sim.fleet import SimFleet
-from medic.config import REPO_ROOT
+from medic.apps.cli.app import app
 from medic.events import FaultEvent
+from medic.flows.dispatch import Dispatch, remediate_all
+from medic.flows.remediate import Outcome
 from medic.intake import read_lines
+from medic.integrations.sim.fleet import SimFleet
 from medic.policy import Action, load_policy
 from medic.protocols import NodeState
 from medic.statuses import IncidentStatus
+from medic.tasks.node_ops import drain_incident, drain_reason, resume_node
+from medic.tasks.runtime import Runtime
+from medic.tasks.verify import verify
 from medic.triage import triage
-from tasks.node_ops import drain_incident, drain_reason, resume_node
-from tasks.runtime import Runtime
-from tasks.verify import verify
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -16,7 +16,7 @@ import pytest
 from fastapi import FastAPI
 from test_server import REMOTE, TOKEN, free_port, make_app, samples, server_process, serving
 
-from apps.server.sentry import KINDS, MAX_MATCHED_CHARS, Options, translate
+from medic.apps.server.sentry import KINDS, MAX_MATCHED_CHARS, Options, translate
 from medic.events import EventKind, FaultEvent
 from medic.store import Store
 

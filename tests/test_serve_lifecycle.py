@@ -94,7 +94,7 @@ def test_serve_refuses_to_start_when_no_policy_loads(tmp_path: Path) -> None:
         "MEDIC_POLICY": str(broken),
         "PREFECT_HOME": str(tmp_path / "prefect"),
     }
-    code = "import typer; from apps.cli.serve import serve; typer.run(serve)"
+    code = "import typer; from medic.apps.cli.serve import serve; typer.run(serve)"
     done = subprocess.run(
         [sys.executable, "-c", code, "--port", str(free_port())],
         env=env,

@@ -27,10 +27,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text, update
 from typer.testing import CliRunner
 
-from apps.server.app import MAX_BODY_BYTES, create_app
-from apps.server.auth import sign
-from apps.server.emit import parse_attribute
-from apps.server.main import children_of
+from medic.apps.server.app import MAX_BODY_BYTES, create_app
+from medic.apps.server.auth import sign
+from medic.apps.server.emit import parse_attribute
+from medic.apps.server.main import children_of
 from medic.events import FaultEvent
 from medic.intake import DEAD_LETTER_SAMPLE, Rejection, RejectionSample
 from medic.policy import Decision
@@ -825,7 +825,7 @@ def server_process(
     """`medic serve` (the CLI function under typer) in its own process."""
     env = os.environ | {"MEDIC_DATABASE_URL": f"sqlite:///{database}", "MEDIC_INGEST_TOKENS": TOKEN}
     env |= extra_env or {}
-    code = "import typer; from apps.cli.serve import serve; typer.run(serve)"
+    code = "import typer; from medic.apps.cli.serve import serve; typer.run(serve)"
     process = subprocess.Popen(
         [sys.executable, "-c", code, "--port", str(port), "--log-level", "warning"],
         env=env,
@@ -926,7 +926,7 @@ def test_an_embedded_prefect_server_left_by_kill_9_is_ended_by_the_next_start(tm
 
 
 def cli() -> typer.Typer:
-    from apps.cli.serve import emit, serve
+    from medic.apps.cli.serve import emit, serve
 
     app = typer.Typer()
     app.command("serve")(serve)
@@ -1109,7 +1109,7 @@ def test_a_token_in_the_query_string_never_reaches_the_access_log(tmp_path: Path
         "MEDIC_DATABASE_URL": f"sqlite:///{tmp_path / 'medic.db'}",
         "MEDIC_INGEST_TOKENS": TOKEN,
     }
-    code = "import typer; from apps.cli.serve import serve; typer.run(serve)"
+    code = "import typer; from medic.apps.cli.serve import serve; typer.run(serve)"
     with log.open("wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-c", code, "--port", str(port), "--log-level", "info"],

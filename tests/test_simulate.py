@@ -1,4 +1,4 @@
-"""medic/fleetsim and `medic simulate`, checked against Meta's Llama 3 figures and the resiliency literature."""
+"""medic/whatif/fleetsim and `medic simulate`, checked against Meta's Llama 3 figures and the resiliency literature."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from apps.cli.app import app
 from medic.advise import optimal_interval
-from medic.fleetsim import BADPUT, SimParams, fast_checkpointer, meta_like_recovery, simulate
-from medic.fleetsim.decisions import Decider, Shape
-from medic.fleetsim.failures import CAUSES, TABLE_INTERRUPTIONS, Signature
+from medic.apps.cli.app import app
 from medic.policy import LoadedPolicy, load_policy
+from medic.whatif.fleetsim import BADPUT, SimParams, fast_checkpointer, meta_like_recovery, simulate
+from medic.whatif.fleetsim.decisions import Decider, Shape
+from medic.whatif.fleetsim.failures import CAUSES, TABLE_INTERRUPTIONS, Signature
 
 DEFAULT_POLICY = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
 SEED = 11

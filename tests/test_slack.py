@@ -22,10 +22,11 @@ from slack_api import SlackApi, running_slack_api, slack_user
 from slack_sdk import WebClient
 from torchrun_support import free_port
 
-from apps.server.app import create_app
-from apps.server.slack import SlackCallbacks
-from integrations import registry
-from integrations.slack.blocks import (
+from medic.apps.server.app import create_app
+from medic.apps.server.slack import SlackCallbacks
+from medic.artifacts import Artifact, ArtifactLinks
+from medic.integrations import registry
+from medic.integrations.slack.blocks import (
     APPROVE_ACTION,
     FIELDS_MAX,
     HEADER_MAX,
@@ -35,18 +36,17 @@ from integrations.slack.blocks import (
     fit_mrkdwn,
     message_blocks,
 )
-from integrations.slack.notifier import (
+from medic.integrations.slack.notifier import (
     NotifyError,
     SlackNotifier,
     current_flow_run_url,
     retry_after_s,
     split_thread,
 )
-from integrations.slack.signature import SignatureError, verify
-from medic.artifacts import Artifact, ArtifactLinks
+from medic.integrations.slack.signature import SignatureError, verify
 from medic.protocols import Message, Notifier
 from medic.store import Store
-from tasks.runtime import Runtime
+from medic.tasks.runtime import Runtime
 
 TOKEN = "xoxb-1111-2222-medictesttokenvalue"
 CHANNEL_ID = "C0GPUALERTS"
@@ -507,7 +507,7 @@ def test_an_email_slack_cannot_be_asked_about_is_said_and_asked_again_later(
     notifier = approving_runtime.backends.notifier
     assert isinstance(notifier, SlackNotifier)
     notifier.max_wait_s = 0  # no retries within a call: Slack is down
-    monkeypatch.setattr("tasks.runtime.APPROVER_RETRY_S", 1.0)
+    monkeypatch.setattr("medic.tasks.runtime.APPROVER_RETRY_S", 1.0)
     slack_api.go_down(503)
     down = approving_runtime.approvers(wait_s=10)
     assert down.ids == {"U0CAROL1"} and down.retry

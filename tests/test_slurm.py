@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from checkout import REPO_ROOT
 from replicas_support import free_port_block
 
-from integrations.polling import NodeNotBackError
-from integrations.registry import Backends
-from integrations.slurm import (
+from medic.integrations.polling import NodeNotBackError
+from medic.integrations.registry import Backends
+from medic.integrations.slurm import (
     NodeHeldByOthersError,
     NotRequeueableError,
     ResumeRefusedError,
@@ -39,12 +40,11 @@ from integrations.slurm import (
     UnknownJobError,
     UnknownSlurmNodeError,
 )
-from integrations.slurm.records import SlurmJob, SlurmNode
-from medic.config import REPO_ROOT
+from medic.integrations.slurm.records import SlurmJob, SlurmNode
 from medic.protocols import JobState, NodeProvider, NodeState, Reconcilable, Scheduler
 from medic.store import Store
-from tasks.reconcile import reconcile_intents
-from tasks.runtime import Runtime
+from medic.tasks.reconcile import reconcile_intents
+from medic.tasks.runtime import Runtime
 
 pytestmark = pytest.mark.system
 

@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from integrations.slurm import SlurmScheduler
-from integrations.slurm.cli import SlurmCli
-from integrations.slurm.errors import (
+from medic.errors import PermanentError
+from medic.integrations.slurm import SlurmScheduler
+from medic.integrations.slurm.cli import SlurmCli
+from medic.integrations.slurm.errors import (
     NodeHeldByOthersError,
     ResumeRefusedError,
     UnreadableSlurmDataError,
     UnsupportedSlurmFormatError,
 )
-from integrations.slurm.records import GENERATIONS, expand_hostlist, generation, parse_jobs, parse_nodes
-from medic.errors import PermanentError
+from medic.integrations.slurm.records import GENERATIONS, expand_hostlist, generation, parse_jobs, parse_nodes
 from medic.protocols import JobState, NodeState
 
 FIXTURES = Path(__file__).parent / "fixtures" / "slurm"

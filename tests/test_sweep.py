@@ -10,21 +10,21 @@ from pathlib import Path
 
 import pytest
 import yaml
+from checkout import REPO_ROOT
 
-from flows.sweep import sweep
-from integrations.registry import Backends
-from integrations.sim.fleet import SimFleet
 from medic.ageing import FleetHealth, PastIncident, Reading, assess
-from medic.config import REPO_ROOT
 from medic.events import FaultEvent
+from medic.flows.sweep import sweep
+from medic.integrations.registry import Backends
+from medic.integrations.sim.fleet import SimFleet
 from medic.policy.guardrails import FleetState
 from medic.policy.model import CircuitBreaker, Guardrails
 from medic.protocols import DiagnosticResult, Diagnostics, NodeInfo, NodeState
 from medic.store import Store
 from medic.store.tables import DiagnosticRecord
 from medic.sweep import NodeBusyError, SweepSettings, plan
-from tasks.runtime import Runtime, configure
-from tasks.sweep import NoReservationsError, make_plan, reservation_minutes
+from medic.tasks.runtime import Runtime, configure
+from medic.tasks.sweep import NoReservationsError, make_plan, reservation_minutes
 
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
 DAY = timedelta(days=1)
@@ -282,7 +282,7 @@ def test_medic_sweep_plan_shows_what_runs_next_and_why(
 ) -> None:
     from typer.testing import CliRunner
 
-    from apps.cli.app import app
+    from medic.apps.cli.app import app
 
     monkeypatch.setenv("MEDIC_HOME", str(tmp_path))
     monkeypatch.setenv("MEDIC_DATABASE_URL", f"sqlite:///{tmp_path / 'medic.db'}")

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 from test_slurm import NODES, Cluster, cluster, slurm  # noqa: F401  (the cluster fixtures, reused)
 
-from flows.sweep import sweep
-from integrations import registry
-from integrations.slurm import SlurmCli, SlurmScheduler
+from medic.flows.sweep import sweep
+from medic.integrations import registry
+from medic.integrations.slurm import SlurmCli, SlurmScheduler
 from medic.protocols import DiagnosticResult, JobState
 from medic.store import Store
 from medic.sweep import RESERVATION_PREFIX, NodeBusyError, SweepSettings
-from tasks.runtime import Runtime, configure
-from tasks.sweep import sweep_node
+from medic.tasks.runtime import Runtime, configure
+from medic.tasks.sweep import sweep_node
 
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("prefect_harness")]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from factories import fault_event
 
-from integrations.slurm.topology import TopologyFormatError, parse, topology
 from medic.culprit import differential
 from medic.incidents import correlate
+from medic.integrations.slurm.topology import TopologyFormatError, parse, topology
 from medic.policy import load_policy
 from medic.topology import Switch, Topology, load_map
 

@@ -13,15 +13,19 @@ import sys
 
 from torchrun_support import TRAINING_DIR
 
-JOB_MODULES = {"train", "medic_hooks", "checkpoint_layout", "profiling"}
-GPU_MEDIC = {"medic", "integrations", "tasks", "flows", "apps", "pydantic"}
+# The training side ships in the package as medic.training; importing it runs medic/__init__.py (a
+# version string) and nothing else of GPU Medic.
+JOB_PACKAGES = {"medic", "medic.training"}
+NOT_FOR_TRAINING = {"pydantic", "yaml", "prefect", "sqlalchemy"}
 
 
 def imported_by(module: str) -> set[str]:
-    """The top-level names of the modules that importing `module` (and running nothing) adds."""
+    """The modules that importing `module` (and running nothing) adds: GPU Medic's by full name,
+    everything else by its top-level name."""
     code = (
         f"import json, sys; before = set(sys.modules); import {module}; "
-        "print(json.dumps(sorted({m.split('.')[0] for m in set(sys.modules) - before})))"
+        "print(json.dumps(sorted({m if m.startswith('medic') else m.split('.')[0] "
+        "for m in set(sys.modules) - before})))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code],
@@ -34,13 +38,22 @@ def imported_by(module: str) -> set[str]:
     return set(json.loads(done.stdout))
 
 
+def ours(imported: set[str]) -> set[str]:
+    return {m for m in imported if m.startswith("medic")} - JOB_PACKAGES
+
+
 def test_the_hooks_and_the_checkpoint_layout_need_only_the_standard_library() -> None:
-    for module in ("medic_hooks", "checkpoint_layout"):
-        outside = imported_by(module) - sys.stdlib_module_names - JOB_MODULES
+    for module in ("medic.training.medic_hooks", "medic.training.checkpoint_layout"):
+        imported = imported_by(module)
+        outside = {m for m in imported if not m.startswith("medic")} - sys.stdlib_module_names
         assert not outside, f"{module} imports {sorted(outside)}"
+        assert ours(imported) == {module}, f"{module} imports {sorted(ours(imported))}"
 
 
 def test_the_training_job_imports_no_gpu_medic_and_no_pydantic() -> None:
-    imported = imported_by("train")
+    imported = imported_by("medic.training.train")
     assert "torch" in imported
-    assert not imported & GPU_MEDIC
+    assert ours(imported) <= {
+        f"medic.training.{m}" for m in ("train", "medic_hooks", "checkpoint_layout", "profiling")
+    }
+    assert not imported & NOT_FOR_TRAINING

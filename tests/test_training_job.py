@@ -20,9 +20,9 @@ from types import ModuleType
 import pytest
 from torchrun_support import LAUNCH_TIMEOUT_S, TRAIN_SCRIPT, TRAINING_DIR, Run, torchrun
 
-from integrations.checkpoints import latest_in_directory, parse_step
-from integrations.processes import descendants, kill
 from medic.events import EventKind
+from medic.integrations.checkpoints import latest_in_directory, parse_step
+from medic.integrations.processes import descendants, kill
 
 STEPS, EVERY, FAIL_AT, NAN_AT = 40, 10, 25, 23
 LAST_GOOD = 20  # the newest checkpoint before the crash

@@ -16,7 +16,7 @@ from test_slurm import Cluster, cluster, slurm  # noqa: F401  (the cluster fixtu
 from torchrun_support import TRAIN_SCRIPT, TRAINING_DIR
 from waiting import until
 
-from integrations.processes import kill
+from medic.integrations.processes import kill
 from medic.protocols import JobState
 
 pytestmark = pytest.mark.system

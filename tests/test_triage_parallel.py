@@ -14,10 +14,10 @@ import pytest
 from forks_support import assert_helper_ends_with_its_parent
 from typer.testing import CliRunner
 
-import apps.cli.triage_parallel as parallel
-from apps.cli.app import app
-from apps.cli.triage import NEVER, _young_collections_only
+import medic.apps.cli.triage_parallel as parallel
 from bench.triage import generate
+from medic.apps.cli.app import app
+from medic.apps.cli.triage import NEVER, _young_collections_only
 
 runner = CliRunner()
 
@@ -128,8 +128,8 @@ def test_a_stream_runs_without_full_collections_and_puts_them_back() -> None:
 
 STUCK = """
 import sys, time
-import apps.cli.triage as triage
-import apps.cli.triage_parallel as parallel
+import medic.apps.cli.triage as triage
+import medic.apps.cli.triage_parallel as parallel
 parallel.PARALLEL_FROM, parallel.HANDFUL, parallel.AHEAD = 0, 50, 1
 
 def stuck(events, *_):
@@ -139,7 +139,7 @@ def stuck(events, *_):
     yield from ()
 
 triage.stream = stuck
-from apps.cli.app import main
+from medic.apps.cli.app import main
 sys.argv = ["medic", "triage", sys.argv[1], "--json"]
 main()
 """

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from apps.cli.app import app
+from medic.apps.cli.app import app
 from medic.context import Context
 from medic.events import EventKind, FaultEvent
 from medic.facts import facts_of, taken_out_by_us

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from factories import fault_event
 
-from integrations.kernel_log import KernelSxid, parse_sxid, parse_xid
 from medic import xid
 from medic.facts import facts_of
 from medic.incidents import correlate
+from medic.integrations.kernel_log import KernelSxid, parse_sxid, parse_xid
 from medic.policy import Decision, decide, load_policy
 from medic.policy.model import Action, Classification
 from medic.xid import ACTIONS, RECOVERY_ACTIONS, RecoveryAction, Resolution

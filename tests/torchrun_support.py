@@ -9,9 +9,9 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from integrations.local_jobs import TRAIN_SCRIPT
-from integrations.processes import descendants, free_port, kill
 from medic.events import FaultEvent
+from medic.integrations.processes import descendants, free_port, kill
+from medic.shipped import TRAIN_SCRIPT
 
 TRAINING_DIR = TRAIN_SCRIPT.parent
 LAUNCH_TIMEOUT_S = 120  # a launch takes 5-7 s on 2 cores; the rest is headroom for a loaded machine

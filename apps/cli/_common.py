@@ -14,7 +14,7 @@ from medic.intake import Intake
 from medic.policy import LoadedPolicy, PolicyError, load_policy
 
 if TYPE_CHECKING:
-    from tasks.runtime import Runtime
+    from medic.tasks.runtime import Runtime
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)  # diagnostics stay one grep-able file:line line each
@@ -47,9 +47,9 @@ def runtime_or_exit(policy: Path | None) -> Runtime:
     """The store, the configured backends and the policy, installed for the flows; exit 2 with what to
     set when a backend is not configured or the policy does not load."""
     # Imported here: the commands that run no flow start without the backends' modules.
-    from integrations.registry import BackendError, from_settings
+    from medic.integrations.registry import BackendError, from_settings
     from medic.store import Store
-    from tasks.runtime import Runtime, configure
+    from medic.tasks.runtime import Runtime, configure
 
     settings = load_settings()
     loaded = load_policy_or_exit(policy)

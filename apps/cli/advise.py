@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from apps.cli._common import console
 from medic import advise
+from medic.apps.cli._common import console
 
 advise_app = typer.Typer(help="Advice computed from a few numbers, no cluster needed.", no_args_is_help=True)
 

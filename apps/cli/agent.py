@@ -1,4 +1,4 @@
-"""`medic agent`: the node agent (docs/agent.md). Also runs alone as `python -m apps.cli.agent`,
+"""`medic agent`: the node agent (docs/agent.md). Also runs alone as `python -m medic.apps.cli.agent`,
 which skips the rest of the CLI's imports: less memory for a process that lives on every node."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from typing import Annotated
 
 import typer
 
-from apps.agent import DEFAULT_INTERVAL_S, DEFAULT_MAX_BACKOFF_S, Agent, AgentOptions
-from integrations.kernel_log import KernelLog
-from integrations.nvml import NvmlSession
-from integrations.sinks import sink_from
+from medic.apps.agent import DEFAULT_INTERVAL_S, DEFAULT_MAX_BACKOFF_S, Agent, AgentOptions
+from medic.integrations.kernel_log import KernelLog
+from medic.integrations.nvml import NvmlSession
+from medic.integrations.sinks import sink_from
 
 DEFAULT_KMSG = Path("/dev/kmsg")
 

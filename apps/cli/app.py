@@ -12,37 +12,42 @@ import os
 import sys
 from collections.abc import Iterable
 from functools import cache
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
-from apps.cli._common import err
-from integrations.backend_errors import BackendError
+from medic import __version__
+from medic.apps.cli._common import err
+from medic.integrations.backend_errors import BackendError
 from medic.policy import PolicyError
+
+# The modules of the control plane's extra (pyproject.toml): a node bundle has none of them.
+SERVER_ONLY = frozenset({"prefect", "sqlalchemy", "sqlmodel", "alembic", "fastapi", "uvicorn", "httpx"})
 
 # Each command or command family, as `medic --help` lists them (registration order), and where it lives.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("apps.cli.serve", "serve"),
-    "agent": ("apps.cli.agent", "agent"),
-    "emit": ("apps.cli.serve", "emit"),
-    "triage": ("apps.cli.triage", "triage"),
-    "ingest": ("apps.cli.ingest", "ingest"),
-    "incidents": ("apps.cli.incidents", "incidents"),
-    "incident": ("apps.cli.incidents", "incident"),
-    "demo": ("apps.cli.demo", "demo"),
-    "doctor": ("apps.cli.doctor", "doctor"),
-    "goodput": ("apps.cli.goodput", "goodput"),
-    "report": ("apps.cli.report", "report"),
-    "simulate": ("apps.cli.simulate", "simulate"),
-    "schema": ("apps.cli.triage", "schema"),
-    "policy": ("apps.cli.policy", "policy_app"),
-    "dcgm": ("apps.cli.dcgm", "dcgm_app"),
-    "advise": ("apps.cli.advise", "advise_app"),
-    "breaker": ("apps.cli.breaker", "breaker_app"),
-    "audit": ("apps.cli.audit", "audit_app"),
-    "check": ("apps.cli.check", "check_app"),
-    "fleet": ("apps.cli.fleet", "fleet_app"),
-    "sweep": ("apps.cli.sweep", "sweep_app"),
+    "serve": ("medic.apps.cli.serve", "serve"),
+    "agent": ("medic.apps.cli.agent", "agent"),
+    "emit": ("medic.apps.cli.serve", "emit"),
+    "triage": ("medic.apps.cli.triage", "triage"),
+    "ingest": ("medic.apps.cli.ingest", "ingest"),
+    "incidents": ("medic.apps.cli.incidents", "incidents"),
+    "incident": ("medic.apps.cli.incidents", "incident"),
+    "demo": ("medic.apps.cli.demo", "demo"),
+    "doctor": ("medic.apps.cli.doctor", "doctor"),
+    "goodput": ("medic.apps.cli.goodput", "goodput"),
+    "report": ("medic.apps.cli.report", "report"),
+    "simulate": ("medic.apps.cli.simulate", "simulate"),
+    "schema": ("medic.apps.cli.triage", "schema"),
+    "policy": ("medic.apps.cli.policy", "policy_app"),
+    "dcgm": ("medic.apps.cli.dcgm", "dcgm_app"),
+    "advise": ("medic.apps.cli.advise", "advise_app"),
+    "breaker": ("medic.apps.cli.breaker", "breaker_app"),
+    "audit": ("medic.apps.cli.audit", "audit_app"),
+    "check": ("medic.apps.cli.check", "check_app"),
+    "fleet": ("medic.apps.cli.fleet", "fleet_app"),
+    "sweep": ("medic.apps.cli.sweep", "sweep_app"),
+    "node": ("medic.apps.cli.node", "node_app"),
 }
 
 
@@ -67,8 +72,19 @@ def build(names: Iterable[str] = COMMANDS) -> typer.Typer:
     return root
 
 
-def _root() -> None:
-    return None  # no options of its own; the help is the Typer's
+def _print_version(asked: bool) -> None:
+    if asked:
+        sys.stdout.write(f"gpu-medic {__version__}\n")
+        raise typer.Exit()
+
+
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", is_eager=True, callback=_print_version, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    return None  # the help is the Typer's
 
 
 @cache
@@ -99,4 +115,16 @@ def main() -> None:
         raise SystemExit(2) from None
     except BackendError as error:  # `medic serve` (or a flow) with a backend unconfigured or wrong
         err.print(f"error: {error}", markup=False, highlight=False)
+        raise SystemExit(2) from None
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] not in SERVER_ONLY:
+            raise
+        # A node bundle (`gpu-medic[node]`) asked for a control-plane command: say what to install.
+        command = f"medic {first}" if first in COMMANDS else "this command"
+        err.print(
+            f"error: {command} needs GPU Medic's control plane ({error.name} is not installed): "
+            "pip install 'gpu-medic[server]'",
+            markup=False,
+            highlight=False,
+        )
         raise SystemExit(2) from None

@@ -10,8 +10,8 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from apps.cli._common import console, err
-from apps.cli.incidents import _since
+from medic.apps.cli._common import console, err
+from medic.apps.cli.incidents import _since
 from medic.config import load_settings
 from medic.store import Store
 from medic.store.archive import ArchiveCheck, read_archive, verify_archive

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from apps.cli._common import console
+from medic.apps.cli._common import console
 from medic.config import load_settings
 from medic.store import Store
 

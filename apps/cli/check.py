@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from apps.cli._common import PolicyOption, console, err, runtime_or_exit
+from medic.apps.cli._common import PolicyOption, console, err, runtime_or_exit
 from medic.deep_check import Verdict
 from medic.policy.deep_checks import CHECK_ORDER, CheckName
 
@@ -45,8 +45,8 @@ def deep(
     """GPU count and NVLink links against the node's shape, DCGM at the policy's level, and an
     all-reduce across the nodes judged against the shape's bandwidth floor. Exit status: 0 every
     check passed, 1 a check failed, 3 a check gave no verdict, 2 a usage or configuration error."""
-    from apps.cli.prefect_run import run_flows
-    from flows.deep_check import deep_check
+    from medic.apps.cli.prefect_run import run_flows
+    from medic.flows.deep_check import deep_check
 
     rt = runtime_or_exit(policy)
     if incident is not None and rt.store.get_incident(incident) is None:

@@ -13,11 +13,11 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from apps.cli._common import PolicyOption, console, err
-from apps.cli.render import action_text
-from integrations.dcgm.parse import DcgmOutputError, DiagReport, Gap, Status, Verdict, parse_report
+from medic.apps.cli._common import PolicyOption, console, err
+from medic.apps.cli.render import action_text
 from medic.config import load_settings
 from medic.events import FaultEvent
+from medic.integrations.dcgm.parse import DcgmOutputError, DiagReport, Gap, Status, Verdict, parse_report
 from medic.policy import LoadedPolicy, PolicyError, load_policy
 from medic.policy.model import Decision
 from medic.triage import triage

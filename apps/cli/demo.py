@@ -20,17 +20,17 @@ from uuid import UUID
 import typer
 from rich.table import Table
 
-from apps.cli import demo_sweep, render
-from apps.cli._common import console, load_policy_or_exit
-from integrations import registry
-from integrations.sim.fleet import SimFleet
-from integrations.sim.notifier import RecordingNotifier
+from medic.apps.cli import demo_sweep, render
+from medic.apps.cli._common import console, load_policy_or_exit
 from medic.config import load_settings
 from medic.events import event_time
 from medic.intake import read_lines
+from medic.integrations import registry
+from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.sim.notifier import RecordingNotifier
 from medic.protocols import Message
 from medic.store import Store
-from tasks.runtime import Runtime, configure
+from medic.tasks.runtime import Runtime, configure
 
 # Extra lines a real feed would contain too: they must be rejected, kept, and not stop the rest.
 BAD_LINES = (
@@ -245,8 +245,8 @@ def demo(
     keep: Annotated[bool, typer.Option(help="Keep the demo's earlier incidents in the store.")] = False,
 ) -> None:
     """Run a simulated 8-node fleet through real Prefect flows (no servers to set up)."""
-    from apps.cli.prefect_run import run_flows
-    from flows.dispatch import remediate_all
+    from medic.apps.cli.prefect_run import run_flows
+    from medic.flows.dispatch import remediate_all
 
     settings = load_settings()
     database = settings.home / "demo.db"

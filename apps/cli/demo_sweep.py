@@ -13,12 +13,12 @@ from datetime import UTC, datetime, timedelta
 from rich.markup import escape
 from rich.table import Table
 
-from apps.cli._common import console
-from integrations.sim.fleet import SimFleet
+from medic.apps.cli._common import console
 from medic.events import FaultEvent
+from medic.integrations.sim.fleet import SimFleet
 from medic.protocols import NodeState
 from medic.sweep import SweepSettings
-from tasks.runtime import Runtime
+from medic.tasks.runtime import Runtime
 
 READINGS_DAYS = 5
 ECC_PER_DAY = 80
@@ -51,7 +51,7 @@ def plant(rt: Runtime, fleet: SimFleet, node: str, gpu: int = 6) -> None:
 
 async def run(rt: Runtime, fleet: SimFleet) -> bool:
     """Plant the degrading GPU, run one sweep, print what it did; False when nothing could be swept."""
-    from flows.sweep import sweep
+    from medic.flows.sweep import sweep
 
     node = degrading_node(fleet)
     console.rule("Nightly sweep: deep checks of idle nodes, the riskiest first")

@@ -10,9 +10,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from apps.cli._common import console
-from apps.cli.incidents import _since
 from medic.ageing import FleetHealth, assess
+from medic.apps.cli._common import console
+from medic.apps.cli.incidents import _since
 from medic.config import load_settings
 from medic.store import Store
 

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from apps.cli._common import console
+from medic.apps.cli._common import console
 from medic.config import load_settings
 from medic.goodput import IncidentCost, job_goodput
 from medic.store import Store

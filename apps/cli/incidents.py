@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from apps.cli import render
-from apps.cli._common import console, err
+from medic.apps.cli import render
+from medic.apps.cli._common import console, err
 from medic.config import load_settings
 from medic.store import Store
 
@@ -43,8 +43,8 @@ def incidents(
     if as_json:
         for row in rows:
             # The lease is which process runs the incident now: bookkeeping, not part of the rows'
-            # documented contract (docs/cli.md).
-            sys.stdout.write(row.model_dump_json(exclude=LEASE_FIELDS) + "\n")
+            # documented contract (docs/cli.md). A set: pydantic's typing of `exclude` takes no frozenset.
+            sys.stdout.write(row.model_dump_json(exclude=set(LEASE_FIELDS)) + "\n")
         return
     console.print(render.incidents_table(rows, title=f"{len(rows)} incidents"))
 

@@ -11,15 +11,22 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from apps.cli import render
-from apps.cli._common import EventsArgument, PolicyOption, console, err, report_rejections, runtime_or_exit
-from apps.cli.plan import plan_steps
+from medic.apps.cli import render
+from medic.apps.cli._common import (
+    EventsArgument,
+    PolicyOption,
+    console,
+    err,
+    report_rejections,
+    runtime_or_exit,
+)
+from medic.apps.cli.plan import plan_steps
 from medic.errors import PermanentError
 from medic.incidents import Incident
 from medic.intake import Intake
 from medic.intake import read_file as read_all
+from medic.tasks.runtime import Runtime
 from medic.triage import replay
-from tasks.runtime import Runtime
 
 
 def ingest(
@@ -31,8 +38,8 @@ def ingest(
     ] = False,
 ) -> None:
     """Store events, group them into incidents and remediate each through the flows."""
-    from apps.cli.prefect_run import run_flows
-    from flows.dispatch import remediate_all
+    from medic.apps.cli.prefect_run import run_flows
+    from medic.flows.dispatch import remediate_all
 
     rt = runtime_or_exit(policy)
     intake = read_all(events)

@@ -3,7 +3,7 @@
 The incidents split in two by when they opened: a forked process reads and decides the later part
 again while this one does the earlier (a little under half: EARLIER_SHARE), each reading only the
 cluster's events around its own decisions. This one replays the guardrails in time order
-(medic/policy/replay_report.py): over its own decisions made before the later part began while the
+(medic/whatif/replay_report.py): over its own decisions made before the later part began while the
 other still decides, then over the rest. Where a decision may have read beyond its part's history,
 the parts are not the one replay they stand for: the replay is made again whole, in this process.
 Either way the report is the same."""
@@ -23,11 +23,11 @@ from datetime import datetime
 from multiprocessing.connection import Connection
 from operator import attrgetter
 
-from apps.cli.forks import can_fork, cores, detach, hand_over
+from medic.apps.cli.forks import can_fork, cores, detach, hand_over
 from medic.policy import LoadedPolicy
-from medic.policy.replay import Redeciding, decided_as_one, redecide, replay
-from medic.policy.replay_report import Judge, Redecided, Redecisions, ReplayReport, judge
 from medic.store import Store
+from medic.whatif.replay import Redeciding, decided_as_one, redecide, replay
+from medic.whatif.replay_report import Judge, Redecided, Redecisions, ReplayReport, judge
 
 # Below this many incidents a second process (forked, then handing its decisions back) saves a few
 # tenths of a second at most: not worth the memory of a second copy.

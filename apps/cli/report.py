@@ -12,10 +12,10 @@ import typer
 from rich.columns import Columns
 from rich.table import Table
 
-from apps.cli import report_views as views
-from apps.cli._common import console, err
-from apps.cli.incidents import _since
-from apps.cli.report_html import report_page
+from medic.apps.cli import report_views as views
+from medic.apps.cli._common import console, err
+from medic.apps.cli.incidents import _since
+from medic.apps.cli.report_html import report_page
 from medic.config import load_settings
 from medic.report import Report, build_report, csv_tables
 from medic.store import Store, utcnow

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from html import escape
 from typing import Any
 
-from apps.cli import report_views as views
-from apps.cli.report_views import TOP, View, duration, value
-from apps.cli.simulate_plots import PlottingUnavailable, figure_class
+from medic.apps.cli import report_views as views
+from medic.apps.cli.report_views import TOP, View, duration, value
+from medic.apps.cli.simulate_plots import PlottingUnavailable, figure_class
 from medic.report import Report
 
 STYLE = """

@@ -16,15 +16,15 @@ import httpx
 import typer
 from rich.markup import escape
 
-from apps.cli._common import err
-from apps.server import DEFAULT_HOST, DEFAULT_PORT, embedded
-from apps.server.emit import DEFAULT_URL, TOKEN_ENV, URL_ENV, build_event, parse_attribute, post_events
+from medic.apps.cli._common import err
+from medic.apps.server import DEFAULT_HOST, DEFAULT_PORT, embedded
+from medic.apps.server.emit import DEFAULT_URL, TOKEN_ENV, URL_ENV, build_event, parse_attribute, post_events
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from apps.server.slack import SlackCallbacks
-    from flows.live import LiveDispatcher
+    from medic.apps.server.slack import SlackCallbacks
+    from medic.flows.live import LiveDispatcher
 
 
 class Dispatch(StrEnum):
@@ -47,8 +47,8 @@ def serve(
     ] = Dispatch.LOCAL,
 ) -> None:
     """Run the HTTP ingest service: POST /v1/events, GET /healthz, GET /metrics."""
-    from apps.server.main import ServeConfigError
-    from apps.server.main import serve as run_server
+    from medic.apps.server.main import ServeConfigError
+    from medic.apps.server.main import serve as run_server
 
     if dispatch is Dispatch.PREFECT and not _prefect_api_url():
         # An embedded Prefect server has no workers: every incident would wait forever.
@@ -86,11 +86,11 @@ def _remediation(dispatch: Dispatch, port: int) -> tuple[LiveDispatcher, SlackCa
     """
     from prefect.flow_runs import resume_flow_run
 
-    from apps.server.slack import SlackCallbacks
-    from flows.deployed import DeployedDispatcher
-    from flows.leases import Leases, runner_name
-    from flows.live import LiveDispatcher
-    from tasks.runtime import current
+    from medic.apps.server.slack import SlackCallbacks
+    from medic.flows.deployed import DeployedDispatcher
+    from medic.flows.leases import Leases, runner_name
+    from medic.flows.live import LiveDispatcher
+    from medic.tasks.runtime import current
 
     rt = current()
     leases = Leases(rt.store, runner_name(f"serve-{port}"))
@@ -99,7 +99,9 @@ def _remediation(dispatch: Dispatch, port: int) -> tuple[LiveDispatcher, SlackCa
     dispatcher.warm_up_in_background()  # Prefect's API starts now, not when the first fault arrives
     slack = SlackCallbacks(
         approvers=lambda: rt.approvers().ids,
-        resume=resume_flow_run,
+        # Called in a worker thread (apps/server/slack.py), where Prefect's async_dispatch runs the sync
+        # version, which returns None; its typing says it may return a coroutine.
+        resume=resume_flow_run,  # type: ignore[arg-type]
         claim=lambda incident, approved, by: rt.store.claim_answer(
             incident, approved=approved, by=by, via="slack"
         ),

@@ -14,10 +14,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from apps.cli._common import PolicyOption, console, err, load_policy_or_exit
-from medic import fleetsim
 from medic.advise import human_seconds
-from medic.fleetsim import BADPUT, Report, SimParams, fast_checkpointer, meta_like_recovery
+from medic.apps.cli._common import PolicyOption, console, err, load_policy_or_exit
+from medic.whatif import fleetsim
+from medic.whatif.fleetsim import BADPUT, Report, SimParams, fast_checkpointer, meta_like_recovery
 
 
 class Recovery(StrEnum):
@@ -68,7 +68,7 @@ def simulate(
     except ValueError as error:  # a save too slow for the fleet's MTBF
         raise typer.BadParameter(str(error)) from None
     if plot is not None:
-        from apps.cli.simulate_plots import PlottingUnavailable, write_plots
+        from medic.apps.cli.simulate_plots import PlottingUnavailable, write_plots
 
         try:
             written = write_plots(plot, reports, fleetsim.mtbf_by_size(params, policies[0], seed, MTBF_SIZES))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from medic.fleetsim import BADPUT, Report
+from medic.whatif.fleetsim import BADPUT, Report
 
 
 class PlottingUnavailable(RuntimeError):

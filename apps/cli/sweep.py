@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from apps.cli._common import PolicyOption, console, err, runtime_or_exit
+from medic.apps.cli._common import PolicyOption, console, err, runtime_or_exit
 from medic.sweep import SweepPlan, SweepSettings
 
 sweep_app = typer.Typer(help="Scheduled deep checks of idle nodes, the riskiest first.", no_args_is_help=True)
@@ -53,7 +53,7 @@ def plan_command(
 ) -> None:
     """What the next sweep would check, in order, and why; and why every other node is left.
     Changes nothing. Exit status 2 when the scheduler has no reservations (nothing is ever swept)."""
-    from tasks.sweep import NoReservationsError, make_plan
+    from medic.tasks.sweep import NoReservationsError, make_plan
 
     rt = runtime_or_exit(policy)
     settings = _settings(level, max_nodes, reservation_minutes, stale_after_hours, at_risk_after_hours)
@@ -82,9 +82,9 @@ def run_command(
 ) -> None:
     """Run one sweep now through the `sweep` flow, as the deployment's schedule does. Exit status: 0
     every node checked passed, 1 a node failed, 3 a check gave no verdict, 2 no reservations."""
-    from apps.cli.prefect_run import run_flows
-    from flows.sweep import sweep
-    from tasks.sweep import NoReservationsError
+    from medic.apps.cli.prefect_run import run_flows
+    from medic.flows.sweep import sweep
+    from medic.tasks.sweep import NoReservationsError
 
     rt = runtime_or_exit(policy)
     settings = _settings(level, max_nodes, reservation_minutes, stale_after_hours, at_risk_after_hours)

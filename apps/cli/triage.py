@@ -21,8 +21,8 @@ from rich.progress import Progress, TextColumn
 from rich.table import Table
 from rich.text import Text
 
-from apps.cli import render
-from apps.cli._common import (
+from medic.apps.cli import render
+from medic.apps.cli._common import (
     EventsArgument,
     PolicyOption,
     console,
@@ -30,7 +30,7 @@ from apps.cli._common import (
     load_policy_or_exit,
     report_rejections,
 )
-from apps.cli.triage_parallel import ForkedReader, ReadingFailed, reader_for
+from medic.apps.cli.triage_parallel import ForkedReader, ReadingFailed, reader_for
 from medic.events import FaultEvent
 from medic.incidents import Incident
 from medic.intake import Intake

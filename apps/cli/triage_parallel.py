@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from apps.cli.forks import can_fork, cores, detach, hand_over
+from medic.apps.cli.forks import can_fork, cores, detach, hand_over
 from medic.errors import MedicError
 from medic.events import FaultEvent, validated_event
 from medic.intake import Rejection

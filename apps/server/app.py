@@ -21,17 +21,17 @@ from fastapi.responses import JSONResponse
 from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel
 
-from apps.server import sentry
-from apps.server.auth import SIGNATURE_HEADER, Auth
-from apps.server.cloudevents import binary_headers
-from apps.server.decode import Decoded, Problem, decode
-from apps.server.metrics import IngestMetrics
-from apps.server.slack import SlackCallbacks, refuse_early
-from apps.server.slack import handle as handle_slack
+from medic.apps.server import sentry
+from medic.apps.server.auth import SIGNATURE_HEADER, Auth
+from medic.apps.server.cloudevents import binary_headers
+from medic.apps.server.decode import Decoded, Problem, decode
+from medic.apps.server.metrics import IngestMetrics
+from medic.apps.server.slack import SlackCallbacks, refuse_early
+from medic.apps.server.slack import handle as handle_slack
 from medic.events import FaultEvent
 from medic.store import Store
 
-log = logging.getLogger("apps.server")
+log = logging.getLogger("medic.apps.server")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 SLACK_MAX_BODY_BYTES = 1024 * 1024  # an interaction payload is a few KB

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from apps.server.cloudevents import HEADER_PREFIX, binary_event, is_cloudevent, to_envelope
+from medic.apps.server.cloudevents import HEADER_PREFIX, binary_event, is_cloudevent, to_envelope
 from medic.events import FaultEvent
 from medic.intake import MAX_LINE_BYTES, Rejection, RejectionSample, parse_line
 

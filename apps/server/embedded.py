@@ -16,7 +16,7 @@ import os
 import signal
 from pathlib import Path
 
-from integrations.processes import kill, running, start_time, wait_gone
+from medic.integrations.processes import kill, running, start_time, wait_gone
 
 log = logging.getLogger("medic.serve")
 

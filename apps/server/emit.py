@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from apps.server import DEFAULT_HOST, DEFAULT_PORT
+from medic.apps.server import DEFAULT_HOST, DEFAULT_PORT
 from medic.events import event_time
 
 DEFAULT_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"

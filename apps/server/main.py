@@ -15,10 +15,10 @@ from types import FrameType
 
 import uvicorn
 
-from apps.server import DEFAULT_HOST, DEFAULT_PORT, redact, sentry
-from apps.server.app import OnAccepted, OnStart, create_app
-from apps.server.auth import HMAC_SECRET_ENV, TOKENS_ENV, credentials_from_env
-from apps.server.slack import SlackCallbacks
+from medic.apps.server import DEFAULT_HOST, DEFAULT_PORT, redact, sentry
+from medic.apps.server.app import OnAccepted, OnStart, create_app
+from medic.apps.server.auth import HMAC_SECRET_ENV, TOKENS_ENV, credentials_from_env
+from medic.apps.server.slack import SlackCallbacks
 from medic.config import load_settings
 from medic.store import Store
 

@@ -15,7 +15,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from medic.store import Store
-from tasks.runtime import PolicyStatus, configured
+from medic.tasks.runtime import PolicyStatus, configured
 
 
 class StoreCollector(Collector):

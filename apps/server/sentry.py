@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from apps.server.decode import Decoded
+from medic.apps.server.decode import Decoded
 from medic.events import EventKind
 from medic.intake import MAX_LINE_BYTES, Rejection, parse_line
 

@@ -16,8 +16,8 @@ import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from integrations.slack.interactions import InteractionError, is_approver, parse_click
-from integrations.slack.signature import SignatureError, check_headers, verify
+from medic.integrations.slack.interactions import InteractionError, is_approver, parse_click
+from medic.integrations.slack.signature import SignatureError, check_headers, verify
 from medic.store.tables import ApprovalRecord
 
 

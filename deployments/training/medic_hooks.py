@@ -76,7 +76,7 @@ class Report(StrEnum):
     HEALTH_CHECK = "health_check"  # check: step_timings, stall or profile
 
 
-def _kind(value: object) -> Kind | Report:
+def _kind(value: str) -> Kind | Report:
     return Report(value) if value in Report.__members__.values() else Kind(value)
 
 

@@ -19,8 +19,9 @@ import os
 from types import TracebackType
 
 import torch
-from medic_hooks import MedicHooks, ProfileRequest
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from medic.training.medic_hooks import MedicHooks, ProfileRequest
 
 log = logging.getLogger("medic_profiling")
 

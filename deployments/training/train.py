@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 # Wall clock, taken before torch's import (the longest part of a restart), so that a benchmark can set
 # a restart's phases against the time of the fault; the imports below must come after it.
@@ -30,9 +30,6 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS is determi
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from checkpoint_layout import latest_complete, step_dir_name
-from medic_hooks import MedicHooks
-from profiling import StepProfiler
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -40,6 +37,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
+
+from medic.training.checkpoint_layout import latest_complete, step_dir_name
+from medic.training.medic_hooks import MedicHooks
+from medic.training.profiling import StepProfiler
 
 FEATURES = 16
 HIDDEN = 64
@@ -212,7 +213,7 @@ def grads_finite(model: nn.Module) -> bool:
 
 def resume_step(ckpt_dir: Path, rank: int) -> int:
     """The newest complete checkpoint's step (0 for none), decided by rank 0 for everyone."""
-    found = [None]
+    found: list[int | None] = [None]
     if rank == 0:
         latest = latest_complete(ckpt_dir)
         found = [latest[0] if latest else 0]
@@ -242,7 +243,8 @@ def save(
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    # Any: dcp.load fills in whatever state dict it is given, in place, entries included.
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
@@ -290,7 +292,7 @@ def train(
             loss.backward()
             if grads_finite(ddp):
                 optimizer.step()  # a NaN step is skipped on every rank alike, like AMP's loss scaler does
-            value = loss.item()
+            value: float = loss.item()  # a float tensor's item is a Python float
             # The save is left out of the step time: a checkpoint step is slow by design, not a straggler.
             hooks.step(step, value, time.perf_counter() - began)
             profiler.after(step)
@@ -337,14 +339,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     device = pick_device(args.device, local_rank, local_world, torch.cuda.device_count())
     torch.use_deterministic_algorithms(True)
-    timeout = {"timeout": timedelta(seconds=args.collective_timeout_s)} if args.collective_timeout_s else {}
-    group = {"store": attempt_store(rank, world), "rank": rank, "world_size": world, **timeout}
+    # None: the backend's default, as when no timeout is passed.
+    timeout = timedelta(seconds=args.collective_timeout_s) if args.collective_timeout_s else None
+    store = attempt_store(rank, world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         # Bound to its device up front, NCCL creates its communicator eagerly and warns of no guess.
-        dist.init_process_group("nccl", device_id=device, **group)
+        dist.init_process_group(
+            "nccl", store=store, rank=rank, world_size=world, timeout=timeout, device_id=device
+        )
     else:
-        dist.init_process_group("gloo", **group)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     timeline["joined"] = time.time()
     hooks = MedicHooks(
         job=args.job,

@@ -13,8 +13,8 @@ import shlex
 from collections.abc import Mapping
 from datetime import UTC, datetime
 
-from integrations.dcgm.parse import DcgmOutputError, DiagReport, Finding, Verdict, parse_report
-from integrations.dcgm.runner import Completed, NodeRunner, runner_from_env
+from medic.integrations.dcgm.parse import DcgmOutputError, DiagReport, Finding, Verdict, parse_report
+from medic.integrations.dcgm.runner import Completed, NodeRunner, runner_from_env
 from medic.protocols import DiagnosticResult
 
 LEVELS = range(1, 5)

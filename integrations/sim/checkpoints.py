@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from integrations.sim.fleet import SimFleet
+from medic.integrations.sim.fleet import SimFleet
 from medic.protocols import Checkpoint
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 
-from integrations.sim.fleet import SimFleet, SimHardware, UnknownSimNodeError
+from medic.integrations.sim.fleet import SimFleet, SimHardware, UnknownSimNodeError
 from medic.protocols import (
     AllReduceRun,
     AllReduceSpec,

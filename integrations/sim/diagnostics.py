@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from integrations.sim.fleet import SimFleet, UnknownSimNodeError
+from medic.integrations.sim.fleet import SimFleet, UnknownSimNodeError
 from medic.protocols import DiagnosticResult
 
 

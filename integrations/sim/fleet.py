@@ -182,7 +182,8 @@ class SimFleet:
 
     def install_replacement(self, node: str) -> None:
         with self.lock:
-            self.hardware[node] = self.replacements.pop(node, None) or SimHardware(self.node(node).gpus)
+            scripted = self.replacements.pop(node, None)
+            self.hardware[node] = scripted or SimHardware(self.node(node).gpus)
 
     def fail_next(self, node: str, action: str, times: int = 1, *, permanent: bool = False) -> None:
         """The next `times` calls fail: transiently (the task layer retries them), or as refused."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from integrations.sim.deep_checks import SIM_GPU
-from integrations.sim.fleet import SimFleet, SimHardware, UnknownSimNodeError
+from medic.integrations.sim.deep_checks import SIM_GPU
+from medic.integrations.sim.fleet import SimFleet, SimHardware, UnknownSimNodeError
 from medic.protocols import HostCapture, HostFile
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import deque
 from datetime import UTC, datetime
 
-from integrations.settling import booted_since, not_booted
-from integrations.sim.fleet import SimFleet
+from medic.integrations.settling import booted_since, not_booted
+from medic.integrations.sim.fleet import SimFleet
 from medic.protocols import NodeState, Settled
 
 

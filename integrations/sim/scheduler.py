@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from integrations.sim.fleet import SimFleet, SimJob
+from medic.integrations.sim.fleet import SimFleet, SimJob
 from medic.protocols import JobInfo, JobState, NodeInfo, NodeState
 from medic.sweep import RESERVATION_PREFIX, NodeBusyError
 

@@ -11,8 +11,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from urllib.parse import parse_qs
 
-from integrations.slack.blocks import APPROVE_ACTION, REJECT_ACTION
 from medic.errors import PermanentError
+from medic.integrations.slack.blocks import APPROVE_ACTION, REJECT_ACTION
 
 
 class InteractionError(PermanentError, ValueError):

@@ -20,9 +20,9 @@ from slack_sdk.errors import SlackApiError
 from slack_sdk.http_retry import BackoffRetryIntervalCalculator
 from slack_sdk.web import SlackResponse
 
-from integrations.slack.blocks import TEXT_MAX, fallback_text, fit_mrkdwn, message_blocks, truncate
 from medic.artifacts import ArtifactLinks
 from medic.errors import MedicError, PermanentError, TransientError
+from medic.integrations.slack.blocks import TEXT_MAX, fallback_text, fit_mrkdwn, message_blocks, truncate
 from medic.protocols import Message
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,9 @@ def token_from_env(env: Mapping[str, str]) -> str | None:
         return None
     from prefect.blocks.system import Secret  # imported late: only this configuration needs it
 
-    # _sync: Block.load returns a coroutine when called from async code unless told otherwise.
-    return str(Secret.load(block, _sync=True).get())
+    # _sync: Block.load returns a coroutine when called from async code unless told otherwise. Prefect's
+    # async_dispatch typing knows neither the argument nor that it makes the result the block itself.
+    return str(Secret.load(block, _sync=True).get())  # type: ignore[call-arg, union-attr]
 
 
 class SlackNotifier:
@@ -204,6 +205,7 @@ class SlackNotifier:
     def _call(self, method: str, fn: Callable[..., SlackResponse], **kwargs: Any) -> SlackResponse:
         deadline = self._clock() + self.max_wait_s
         attempt = 0
+        failure: Exception  # the last try's error, which the one raised when giving up is raised from
         while True:
             try:
                 return fn(**kwargs)

@@ -5,8 +5,8 @@ admin would, through `SlurmCli`; they need no daemon or REST service of their ow
 Slurm 22.05 is described in docs/slurm.md.
 """
 
-from integrations.slurm.cli import SlurmCli
-from integrations.slurm.errors import (
+from medic.integrations.slurm.cli import SlurmCli
+from medic.integrations.slurm.errors import (
     NodeHeldByOthersError,
     NotRequeueableError,
     ResumeRefusedError,
@@ -21,8 +21,8 @@ from integrations.slurm.errors import (
     UnsupportedSlurmActionError,
     UnsupportedSlurmFormatError,
 )
-from integrations.slurm.provider import SlurmRebootProvider
-from integrations.slurm.scheduler import SlurmScheduler
+from medic.integrations.slurm.provider import SlurmRebootProvider
+from medic.integrations.slurm.scheduler import SlurmScheduler
 
 __all__ = [
     "NodeHeldByOthersError",

@@ -9,14 +9,21 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from integrations.slurm.errors import (
+from medic.integrations.slurm.errors import (
     SlurmCommandError,
     SlurmNotInstalledError,
     SlurmRejectedError,
     SlurmUnreachableError,
     UnknownSlurmNodeError,
 )
-from integrations.slurm.records import SlurmJob, SlurmNode, boot_time, generation, parse_jobs, parse_nodes
+from medic.integrations.slurm.records import (
+    SlurmJob,
+    SlurmNode,
+    boot_time,
+    generation,
+    parse_jobs,
+    parse_nodes,
+)
 
 DEFAULT_TIMEOUT_S = 30.0
 # What the Slurm tools print (lower-cased) when slurmctld does not answer: worth asking again.

@@ -7,8 +7,8 @@ and job commands set a state, so asking again after a timeout does not act twice
 
 from __future__ import annotations
 
-from integrations.provider_errors import ActionRefusedError, ProviderError, UnknownNodeError
 from medic.errors import PermanentError, TransientError
+from medic.integrations.provider_errors import ActionRefusedError, ProviderError, UnknownNodeError
 
 
 class SlurmError(ProviderError):

@@ -31,11 +31,11 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Literal, cast, get_args
 
-from integrations.polling import Comeback, poll, wait_back
-from integrations.settling import booted_since, not_booted
-from integrations.slurm.cli import SlurmCli
-from integrations.slurm.errors import NodeHeldByOthersError, UnsupportedSlurmActionError
-from integrations.slurm.records import MEDIC_PREFIX, SlurmNode, is_ours
+from medic.integrations.polling import Comeback, poll, wait_back
+from medic.integrations.settling import booted_since, not_booted
+from medic.integrations.slurm.cli import SlurmCli
+from medic.integrations.slurm.errors import NodeHeldByOthersError, UnsupportedSlurmActionError
+from medic.integrations.slurm.records import MEDIC_PREFIX, SlurmNode, is_ours
 from medic.protocols import Settled
 
 Convention = Literal["scontrol", "hyperpod"]

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from integrations.slurm.errors import UnreadableSlurmDataError, UnsupportedSlurmFormatError
+from medic.integrations.slurm.errors import UnreadableSlurmDataError, UnsupportedSlurmFormatError
 from medic.protocols import JobInfo, JobState, NodeInfo, NodeState
 
 # Drains we make carry this prefix (see NodeInfo.drained_by_medic); anything else belongs to others.
@@ -141,6 +141,8 @@ def _supported() -> str:
 def _release(meta: dict[str, Any]) -> tuple[int, int] | None:
     slurm = meta.get("Slurm") or meta.get("slurm") or {}
     version = slurm.get("version") if isinstance(slurm, dict) else None
+    if version is None:
+        return None
     try:
         return (int(version["major"]), int(version["minor"]))  # ints until 23.02, strings after
     except (TypeError, KeyError, ValueError):

@@ -14,8 +14,8 @@ import re
 import uuid
 from collections.abc import Sequence
 
-from integrations.slurm.cli import SlurmCli
-from integrations.slurm.errors import SlurmRejectedError
+from medic.integrations.slurm.cli import SlurmCli
+from medic.integrations.slurm.errors import SlurmRejectedError
 from medic.sweep import RESERVATION_PREFIX, NodeBusyError
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
 
-from integrations.slurm.cli import SlurmCli
-from integrations.slurm.errors import (
+from medic.integrations.slurm.cli import SlurmCli
+from medic.integrations.slurm.errors import (
     NodeHeldByOthersError,
     NotRequeueableError,
     ResumeRefusedError,
@@ -29,10 +29,10 @@ from integrations.slurm.errors import (
     UnknownJobError,
     UnknownSlurmNodeError,
 )
-from integrations.slurm.records import SlurmJob
-from integrations.slurm.reservations import SlurmReservations
-from integrations.slurm.topology import TopologyFormatError
-from integrations.slurm.topology import read as read_topology
+from medic.integrations.slurm.records import SlurmJob
+from medic.integrations.slurm.reservations import SlurmReservations
+from medic.integrations.slurm.topology import TopologyFormatError
+from medic.integrations.slurm.topology import read as read_topology
 from medic.protocols import JobInfo, JobState, NodeInfo
 from medic.topology import Topology
 

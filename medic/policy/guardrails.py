@@ -37,7 +37,7 @@ class FleetState:
 
 class Acting(Protocol):
     """What a decision asks for and the guardrail that stopped it: a `Decision`, or a replay's outcome
-    (medic/policy/replay_report.py)."""
+    (medic/whatif/replay_report.py)."""
 
     @property
     def action(self) -> Action: ...

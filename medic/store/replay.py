@@ -21,10 +21,10 @@ from medic.events import EventKind, FaultEvent, validated_event
 from medic.facts import HISTORY_WINDOW
 from medic.incidents import Scope
 from medic.policy.model import Action
-from medic.policy.replay import History, RecordedDecision
-from medic.policy.replay_report import Outcome
 from medic.store.events import EventsMixin
 from medic.store.tables import BreakerRecord, DecisionRecord, EventRecord, IncidentRecord
+from medic.whatif.replay import History, RecordedDecision
+from medic.whatif.replay_report import Outcome
 
 
 def _as_stored(column: Any) -> ColumnElement[Any]:
@@ -46,7 +46,7 @@ _EVENT_COLUMNS = [
 
 @dataclass(frozen=True, slots=True)
 class ReplaySplit:
-    """Where a replay's incidents split in two parts (medic/policy/replay.py, `decided_as_one`)."""
+    """Where a replay's incidents split in two parts (medic/whatif/replay.py, `decided_as_one`)."""
 
     incidents: int  # replayed in all
     middle: datetime  # the later part opened from then on
@@ -161,7 +161,7 @@ def _decisions(incidents: Select[*tuple[Any, ...]] | None) -> Select[*tuple[Any,
         *(col(c) for c in (DecisionRecord.rule, DecisionRecord.action, DecisionRecord.diagnose_level)),
         col(DecisionRecord.guardrail),
     ]
-    # The facts as JSON text: pydantic reads it in one pass (medic.policy.replay.FactsRecord).
+    # The facts as JSON text: pydantic reads it in one pass (medic.whatif.replay.FactsRecord).
     facts = cast(col(DecisionRecord.facts), Text).label("facts")
     query = select(*columns, facts)
     if incidents is not None:

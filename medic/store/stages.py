@@ -76,7 +76,7 @@ class StagesMixin(StoreBase):
     def add_decision(
         self, decision: Decision, policy_path: str, facts: dict[str, Any] | None = None
     ) -> DecisionRecord:
-        """Record a decision with the facts it was made on (medic.policy.replay.record_facts)."""
+        """Record a decision with the facts it was made on (medic.whatif.replay.record_facts)."""
         row = DecisionRecord(
             incident_id=decision.incident,
             decided_at=utcnow(),

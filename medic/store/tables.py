@@ -156,7 +156,7 @@ class DecisionRecord(SQLModel, table=True):
     recommend: list[str] | None = _json()
     guardrail: str | None = None
     blocked_action: str | None = None
-    # What the engine saw (medic.policy.replay.FactsRecord), so that `medic policy replay` decides
+    # What the engine saw (medic.whatif.replay.FactsRecord), so that `medic policy replay` decides
     # again on the same facts; None for decisions recorded before it was kept.
     facts: dict[str, Any] | None = _json()
 

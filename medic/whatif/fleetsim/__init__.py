@@ -5,9 +5,9 @@ the fleet is and how long things take, `failures` what fails and what fixes it, 
 the policy engine deciding simulated incidents, `loop` the event loop, `report` what it cost.
 """
 
-from medic.fleetsim.loop import mtbf_by_size, simulate
-from medic.fleetsim.params import SimParams, fast_checkpointer, meta_like_recovery
-from medic.fleetsim.report import BADPUT, Report
+from medic.whatif.fleetsim.loop import mtbf_by_size, simulate
+from medic.whatif.fleetsim.params import SimParams, fast_checkpointer, meta_like_recovery
+from medic.whatif.fleetsim.report import BADPUT, Report
 
 __all__ = [
     "BADPUT",

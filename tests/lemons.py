@@ -19,9 +19,9 @@ from datetime import UTC, datetime, timedelta
 
 from medic.ageing import COUNTERS_ATTRIBUTE, FleetHealth, PastIncident
 from medic.events import EventKind, FaultEvent
-from medic.fleetsim.failures import CAUSES, EventSpec, Nature, Signature, arrivals, draw
 from medic.policy import LoadedPolicy
 from medic.triage import replay
+from medic.whatif.fleetsim.failures import CAUSES, EventSpec, Nature, Signature, arrivals, draw
 
 START = datetime(2026, 1, 1, tzinfo=UTC)
 DAY_S = 86_400.0

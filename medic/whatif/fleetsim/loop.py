@@ -31,13 +31,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Generic, TypeVar
 
 from medic.facts import HISTORY_WINDOW
-from medic.fleetsim.decisions import Decider, Diagnostic, Shape
-from medic.fleetsim.failures import CLEARS, Cause, Nature, Signature, arrivals, draw
-from medic.fleetsim.params import SimParams
-from medic.fleetsim.report import BADPUT, Report
 from medic.policy import Action, Decision, LoadedPolicy, guardrails
 from medic.policy.guardrails import FleetState
 from medic.policy.model import DESTRUCTIVE, OUT_OF_SERVICE
+from medic.whatif.fleetsim.decisions import Decider, Diagnostic, Shape
+from medic.whatif.fleetsim.failures import CLEARS, Cause, Nature, Signature, arrivals, draw
+from medic.whatif.fleetsim.params import SimParams
+from medic.whatif.fleetsim.report import BADPUT, Report
 
 EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
 EPISODE_WINDOW = 86_400.0  # earlier episodes that count rules look back on (the default policy's 24 h)

@@ -1,5 +1,5 @@
 """What `medic policy replay` reports, and the half of the replay that makes it: the new policy's
-guardrails replayed in time order over the decisions made again (medic/policy/replay.py), as
+guardrails replayed in time order over the decisions made again (medic/whatif/replay.py), as
 `medic triage` replays them, then every incident's story compared with the recorded one.
 
 The JSON form of `ReplayReport` is a public contract (docs/policy.md#replay); tests pin it.
@@ -119,8 +119,8 @@ class Redecided(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Redecisions:
-    """Recorded decisions made again (medic.policy.replay.redecide), in the order they were made, and
-    what they read beyond their own incidents (medic.policy.replay.decided_as_one)."""
+    """Recorded decisions made again (medic.whatif.replay.redecide), in the order they were made, and
+    what they read beyond their own incidents (medic.whatif.replay.decided_as_one)."""
 
     decisions: Sequence[Redecided]
     rebuilt: int  # decisions recorded without facts: facts rebuilt from the stored events
@@ -250,7 +250,7 @@ class Judge:
 
 class _Traits(NamedTuple):
     """What judging asks of an outcome, worked out once per outcome object: a replay's decisions share
-    a few dozen outcomes (medic/policy/replay.py), and asking each decision's again cost a fifth of
+    a few dozen outcomes (medic/whatif/replay.py), and asking each decision's again cost a fifth of
     judging."""
 
     outcome: Outcome  # held, so that no other outcome is given its id while it is known

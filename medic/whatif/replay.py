@@ -11,7 +11,7 @@ and the report counts those.
 
 The replay is made in two halves: `redecide` decides the recorded decisions again, which may be
 split over processes by incident (apps/cli/replay_parallel.py, `decided_as_one`), and `judge`
-(medic/policy/replay_report.py) replays the guardrails over all of them and makes the report, whose
+(medic/whatif/replay_report.py) replays the guardrails over all of them and makes the report, whose
 JSON form is a public contract (docs/policy.md#replay); tests pin it.
 """
 
@@ -34,7 +34,7 @@ from medic.facts import DiagnosticFact, Facts, facts_of, taken_out_by_us
 from medic.incidents import Incident, Scope
 from medic.policy import LoadedPolicy
 from medic.policy.engine import Ruling, ruling, window
-from medic.policy.replay_report import Outcome, Redecided, Redecisions, ReplayReport, judge
+from medic.whatif.replay_report import Outcome, Redecided, Redecisions, ReplayReport, judge
 
 # Facts fields kept as they are; `events` is kept as the events' ids and `context` (the cluster's
 # recent events) is rebuilt from the store, which holds every event for good.

@@ -19,9 +19,9 @@ from typing import Any
 from medic.context import Context
 from medic.events import EventKind, FaultEvent
 from medic.facts import OUR_SOURCE, facts_of
-from medic.fleetsim.failures import Signature
 from medic.incidents import Scope, correlate
 from medic.policy import Decision, LoadedPolicy, decide
+from medic.whatif.fleetsim.failures import Signature
 
 NODE = "gpu-node-1"
 SWITCH = "leaf-1"

@@ -25,15 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from integrations.checkpoints import latest_in_directory
-from integrations.processes import descendants, free_port, kill, start_time, wait_gone
-from integrations.sim.fleet import SimFleet, SimJob
-from integrations.sim.scheduler import SimScheduler
-from medic.config import REPO_ROOT
+from medic.integrations.checkpoints import latest_in_directory
+from medic.integrations.processes import descendants, free_port, kill, start_time, wait_gone
+from medic.integrations.sim.fleet import SimFleet, SimJob
+from medic.integrations.sim.scheduler import SimScheduler
 from medic.protocols import JobInfo, JobState, NodeInfo, NodeState
+from medic.shipped import TRAIN_SCRIPT
 
 STOP_TIMEOUT_S = 30.0
-TRAIN_SCRIPT = REPO_ROOT / "deployments" / "training" / "train.py"
 # train.py's fault injections fire once: a relaunch leaves them out. True: the option takes a value.
 ONE_SHOT_OPTIONS = {
     "--fail-at-step": True,

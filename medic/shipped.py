@@ -1,0 +1,24 @@
+"""What the package ships besides its code, found where it is installed, never in a checkout.
+
+The wheel carries these as package data (pyproject.toml, [tool.setuptools.package-data]); in a
+development checkout the same paths resolve through medic/'s links to the repository's folders
+(docs/decisions/0012-one-import-namespace.md). Nothing at run time reads the repository itself: the
+wheel check in tests/system/test_wheel.py runs the installed package from another directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent
+# Resolved against the package folder only: medic/policies is a link in a checkout, and its target
+# must not stand in for the package in the paths we print.
+POLICIES = PACKAGE / "policies"
+SHIPPED_POLICY = POLICIES / "default.yaml"
+SHIPPED_POLICY_TESTS = POLICIES / "default.tests.yaml"
+POLICY_SCHEMA = POLICIES / "policy.schema.json"
+POLICY_EXAMPLES = POLICIES / "examples"
+TRAINING = PACKAGE / "training"
+TRAIN_SCRIPT = TRAINING / "train.py"
+SLURM_HOOKS = PACKAGE / "slurm_hooks"
+SYSTEMD_UNITS = PACKAGE / "systemd"

@@ -1,0 +1,5 @@
+"""The repository the tests run from: its fixtures, scripts and docs (never what the product reads)."""
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
