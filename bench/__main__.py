@@ -12,12 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 from bench import (
+    REPO_ROOT,
     ageing,
     agent,
     flow_overhead,
     hostile,
     ingest,
     live,
+    node_bundle,
     policy,
     prolog,
     replay,
@@ -27,7 +29,6 @@ from bench import (
     simulate,
     triage,
 )
-from medic.config import REPO_ROOT
 
 COMMAND = ".venv/bin/python -m bench"
 BENCHMARKS: list[tuple[str, Callable[[], dict[str, Any]], Callable[[dict[str, Any]], str]]] = [
@@ -39,6 +40,7 @@ BENCHMARKS: list[tuple[str, Callable[[], dict[str, Any]], Callable[[dict[str, An
     ("sentry", sentry.run, sentry.section),
     ("hostile", hostile.run, hostile.section),
     ("node agent", agent.run, agent.section),
+    ("node_bundle", node_bundle.run, node_bundle.section),
     ("slurm prolog", prolog.run, prolog.section),
     ("simulate", simulate.run, simulate.section),
     ("policy replay", replay.run, replay.section),

@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import REPO_ROOT
 from bench.report import num, table
-from medic.config import REPO_ROOT
 
 # The shim and its state file live with the tests that use it most.
 sys.path.insert(0, str(REPO_ROOT / "tests"))
@@ -38,9 +38,13 @@ DEFAULT_INTERVAL_S = 15.0
 TARGET_CPU_PCT = 0.5
 TARGET_RSS_MB = 80.0
 CLOCK_TICK_S = 1 / os.sysconf("SC_CLK_TCK")
-LEAN = ["-m", "apps.cli.agent"]
+LEAN = [sys.executable, "-m", "medic.apps.cli.agent"]
 # `medic agent` as the console script runs it: apps/cli/app.py's `main`, which loads that command alone.
-MEDIC_AGENT = ["-c", "import sys; from apps.cli.app import main; sys.argv[1:1] = ['agent']; main()"]
+MEDIC_AGENT = [
+    sys.executable,
+    "-c",
+    "import sys; from medic.apps.cli.app import main; sys.argv[1:1] = ['agent']; main()",
+]
 
 
 def _cpu_s(pid: int) -> float:
@@ -56,16 +60,16 @@ def _rss_mb(pid: int, field: str = "VmRSS") -> float:
     raise ValueError(f"no {field} for {pid}")
 
 
-def measure(entry: list[str], interval_s: float, seconds: float, workdir: Path) -> dict[str, float]:
-    """Start the agent, wait for its first NVML read, then watch it for `seconds`."""
+def measure(agent_command: list[str], interval_s: float, seconds: float, workdir: Path) -> dict[str, float]:
+    """Start the agent (`agent_command` and its options), wait for its first NVML read, then watch it
+    for `seconds`."""
     state = ShimState(workdir / "nvml-state")
     calls_file, log_file = workdir / "nvml-calls", workdir / "agent.log"
     kmsg = workdir / "kmsg"
     kmsg.touch()
     env = shim_env(build_shim(workdir / "shim"), state) | {"MEDIC_NVML_SHIM_CALLS": str(calls_file)}
     command = [
-        sys.executable,
-        *entry,
+        *agent_command,
         f"--interval={interval_s}",
         f"--kmsg={kmsg}",
         f"--sink={workdir / 'events.jsonl'}",
@@ -150,7 +154,7 @@ def section(results: dict[str, Any]) -> str:
             f"< {TARGET_CPU_PCT} %: {'met' if at_15 < TARGET_CPU_PCT else 'MISSED'}",
         ),
         (
-            "RSS, `python -m apps.cli.agent` (peak)",
+            "RSS, `python -m medic.apps.cli.agent` (peak)",
             f"{num(rss)} MB",
             f"< {TARGET_RSS_MB:g} MB: {'met' if rss < TARGET_RSS_MB else 'MISSED'}",
         ),

@@ -37,11 +37,11 @@ from typing import Any
 
 import httpx
 
+from bench import REPO_ROOT
 from bench.flow_overhead import _policy_without_guardrails
 from bench.ingest import _free_port, _wait_ready, percentile
 from bench.prefect_server import prefect_on_postgres
 from bench.report import ms, num, table
-from medic.config import REPO_ROOT
 
 TOKEN = "bench-token"
 POSTGRES_ADMIN_URL = os.environ.get(
@@ -61,12 +61,12 @@ SWITCH_NODES = 32
 
 def serve(port: int, nodes: int, per_switch: int, policy: Path) -> None:
     """The server process: `medic serve`'s warm path with a simulated fleet of this shape."""
-    from apps.server.main import serve as run_server
-    from flows.live import LiveDispatcher
-    from integrations import registry
-    from integrations.sim.fleet import SimFleet
+    from medic.apps.server.main import serve as run_server
+    from medic.flows.live import LiveDispatcher
+    from medic.integrations import registry
+    from medic.integrations.sim.fleet import SimFleet
     from medic.store import Store
-    from tasks.runtime import Runtime, configure
+    from medic.tasks.runtime import Runtime, configure
 
     backends, _ = registry.simulated(SimFleet.build(nodes=nodes, per_switch=per_switch))
     rt = configure(Runtime(Store(os.environ["MEDIC_DATABASE_URL"]), backends, policy))
@@ -188,7 +188,6 @@ def _trigger_latency(directory: Path, prefect_api: str, faults: int, spacing_s: 
         "MEDIC_BACKENDS": "sim",  # the service and the worker's flow runs, each its own simulated fleet
         "MEDIC_SIM_NODES": str(TRIGGER[0] + 1),
         "MEDIC_POLICY": str(policy),
-        "MEDIC_REPO": str(REPO_ROOT),
         "PREFECT_WORKER_QUERY_SECONDS": "1",
     }
     prefect = [sys.executable, "-m", "prefect"]

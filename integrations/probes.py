@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import re
 import socket
+import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from medic import __version__
 from medic.config import Settings
 
 PROBE_TIMEOUT_S = 5.0
@@ -108,8 +111,8 @@ def probe_policy(path: Path) -> Probe:
 
 def probe_slurm(env: Env) -> Probe:
     """`scontrol ping` (the controller answers) and `sinfo --version`."""
-    from integrations.slurm.cli import SlurmCli
-    from integrations.slurm.errors import SlurmCommandError
+    from medic.integrations.slurm.cli import SlurmCli
+    from medic.integrations.slurm.errors import SlurmCommandError
 
     cli = SlurmCli(slurm_conf=env.get("SLURM_CONF"), timeout_s=PROBE_TIMEOUT_S)
     what = f"SLURM_CONF={env['SLURM_CONF']}" if env.get("SLURM_CONF") else "default slurm.conf"
@@ -125,8 +128,8 @@ def probe_slurm(env: Env) -> Probe:
 
 
 def _first_node(env: Env) -> str | None:
-    from integrations.slurm.cli import SlurmCli
-    from integrations.slurm.errors import SlurmCommandError
+    from medic.integrations.slurm.cli import SlurmCli
+    from medic.integrations.slurm.errors import SlurmCommandError
 
     try:
         nodes = SlurmCli(slurm_conf=env.get("SLURM_CONF"), timeout_s=PROBE_TIMEOUT_S).nodes()
@@ -135,11 +138,15 @@ def _first_node(env: Env) -> str | None:
     return nodes[0].name if nodes else None
 
 
+# `dcgmi --version` prints its build information, a "Version : 3.3.5" line among others.
+DCGMI_VERSION = r"version\s*:?\s*([0-9][\w.]*)"
+
+
 def probe_dcgm(env: Env, node: str | None = None, settings: Settings | None = None) -> Probe:
     """`dcgmi --version` and `dcgmi discovery -l` (nv-hostengine answers) on one node, through the
     configured runner (MEDIC_DCGM_RUNNER, MEDIC_DCGMI): this machine for the local runner, else
     `node`, else the first node Slurm lists."""
-    from integrations.dcgm.runner import LocalRunner, RunnerConfigError, runner_from_env
+    from medic.integrations.dcgm.runner import LocalRunner, RunnerConfigError, runner_from_env
 
     dcgmi = env.get("MEDIC_DCGMI") or "dcgmi"
     try:
@@ -158,7 +165,7 @@ def probe_dcgm(env: Env, node: str | None = None, settings: Settings | None = No
     problem = _dcgm_problem(version)
     if problem:
         return Probe("dcgm", "fail", what, problem)
-    found = re.search(r"version\s*:?\s*([0-9][\w.]*)", version.stdout, re.IGNORECASE)
+    found = re.search(DCGMI_VERSION, version.stdout, re.IGNORECASE)
     said = f"dcgmi {found.group(1)}" if found else "dcgmi runs"
     discovery = runner.run(node, [dcgmi, "discovery", "-l"], PROBE_TIMEOUT_S)
     problem = _dcgm_problem(discovery)
@@ -211,7 +218,7 @@ def probe_slack(env: Env) -> Probe:
     from slack_sdk import WebClient
     from slack_sdk.errors import SlackApiError
 
-    from integrations.slack.notifier import API_URL_ENV, DEFAULT_API_URL, token_from_env
+    from medic.integrations.slack.notifier import API_URL_ENV, DEFAULT_API_URL, token_from_env
 
     base_url = env.get(API_URL_ENV) or DEFAULT_API_URL
     what = base_url
@@ -327,6 +334,44 @@ def probe_checkpoints(location: str) -> Probe:
 
 
 # --- all of them ---------------------------------------------------------------------------------
+
+
+# --- Versions ------------------------------------------------------------------------------------
+
+VERSION_TIMEOUT_S = 5.0
+
+
+def _tool_version(command: list[str], pattern: str) -> str:
+    """What a tool on this machine says of its version: the pattern's group, else why not."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, check=False)
+    except FileNotFoundError:
+        return "not found"
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"unreadable ({error})"
+    found = re.search(pattern, done.stdout, re.IGNORECASE | re.MULTILINE)
+    if done.returncode != 0 or not found:
+        return f"unreadable (rc={done.returncode})"
+    return found.group(1)
+
+
+def versions(env: Env) -> dict[str, str]:
+    """The versions `medic doctor` found: this package, its Prefect and store schema, and the Slurm
+    and DCGM command-line tools on this machine (a remote node's DCGM: the dcgm probe)."""
+    from medic.store.migrate import HEAD
+
+    try:
+        prefect = metadata.version("prefect")
+    except metadata.PackageNotFoundError:
+        prefect = "not installed (pip install 'gpu-medic[server]')"
+    return {
+        "gpu-medic": __version__,
+        "store schema": HEAD,
+        "prefect": prefect,
+        # `sinfo --version` prints "slurm 22.05.8" (the real one in tests/test_doctor.py).
+        "slurm": _tool_version(["sinfo", "--version"], r"^slurm\S*\s+(\S+)"),
+        "dcgm": _tool_version([env.get("MEDIC_DCGMI") or "dcgmi", "--version"], DCGMI_VERSION),
+    }
 
 
 def probe_all(settings: Settings, node: str | None = None) -> list[Probe]:

@@ -1,3 +1,5 @@
 """GPU Medic: automated fault remediation for GPU training clusters."""
 
-__version__ = "0.1.0"
+# The release (pyproject.toml reads it; CHANGELOG.md has its entry; medic/store/migrate.py names the
+# store schema it writes).
+__version__ = "0.2.0"

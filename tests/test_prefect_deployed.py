@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from checkout import REPO_ROOT
 from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.objects import FlowRun
 from prefect.events import emit_event
@@ -31,12 +32,11 @@ from prefect.events.worker import EventsWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from bench.prefect_server import answers
-from integrations.processes import free_port
-from medic.config import REPO_ROOT
 from medic.incidents import Incident
+from medic.integrations.processes import free_port
 from medic.store import Store
 from medic.store.tables import IncidentRecord
-from tasks import prefect_events
+from medic.tasks import prefect_events
 
 BIN = Path(sys.executable).parent
 NODE = "gpu-node-6"
@@ -70,12 +70,13 @@ def test_the_trigger_runs_each_announced_incident_once_on_a_worker(
     env = prefect_server | {
         "MEDIC_DATABASE_URL": postgres_store.url,
         "MEDIC_HOME": str(tmp_path / "home"),
-        "MEDIC_REPO": str(REPO_ROOT),
         "MEDIC_INGEST_TOKENS": "scale-out",
         "PREFECT_WORKER_QUERY_SECONDS": "1",  # Prefect's default is 10 s
     }
-    _prefect_cli(["work-pool", "create", "medic", "--type", "process"], env)
-    _prefect_cli(["--no-prompt", "deploy", "--prefect-file", "deployments/prefect.yaml", "--all"], env)
+    _prefect_cli(["work-pool", "create", "medic", "--type", "process"], env, cwd=tmp_path)
+    # Deployed and run away from the checkout: the worker imports the installed package.
+    prefect_file = str(REPO_ROOT / "deployments" / "prefect.yaml")
+    _prefect_cli(["--no-prompt", "deploy", "--prefect-file", prefect_file, "--all"], env, cwd=tmp_path)
     port = free_port()
     commands = {
         "worker": [str(BIN / "prefect"), "worker", "start", "--pool", "medic", "--type", "process"],
@@ -131,9 +132,9 @@ def test_the_trigger_runs_each_announced_incident_once_on_a_worker(
     assert (opened.resource["medic.incident"], opened.resource["medic.node"]) == (incident.id, NODE)
 
 
-def _prefect_cli(args: list[str], env: dict[str, str]) -> None:
+def _prefect_cli(args: list[str], env: dict[str, str], cwd: Path) -> None:
     done = subprocess.run(
-        [str(BIN / "prefect"), *args], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180
+        [str(BIN / "prefect"), *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=180
     )
     assert done.returncode == 0, done.stdout + done.stderr
 

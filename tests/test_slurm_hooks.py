@@ -18,16 +18,16 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
+from checkout import REPO_ROOT
 from nvidia_smi import answer_with_shim, fields, recorded
 from nvidia_smi import answers as smi_answers
 from nvml_support import ShimState, build_shim, shim_env
 from replicas_support import free_port_block
 
-from apps.hooks import FAIL_CLOSED, job_failed, main, run_hook, slurm_drain
-from integrations.nvml import EccCounts, GpuSnapshot, NodeSnapshot, RowRemap
-from integrations.slurm import NodeHeldByOthersError, SlurmCli, SlurmScheduler
-from medic.config import REPO_ROOT
+from medic.apps.hooks import FAIL_CLOSED, job_failed, main, run_hook, slurm_drain
 from medic.events import EventKind, FaultEvent
+from medic.integrations.nvml import EccCounts, GpuSnapshot, NodeSnapshot, RowRemap
+from medic.integrations.slurm import NodeHeldByOthersError, SlurmCli, SlurmScheduler
 from medic.preflight import RETIRED_FIELD
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcgm"
@@ -182,7 +182,7 @@ def test_fail_closed_prolog_drains_with_our_reason_and_exits_non_zero(
 
 
 def test_a_drain_that_fails_still_fails_the_prolog(dcgmi: Dcgmi, monkeypatch: pytest.MonkeyPatch) -> None:
-    from integrations.slurm import SlurmUnreachableError
+    from medic.integrations.slurm import SlurmUnreachableError
 
     def unreachable(node: str, reason: str, env: Mapping[str, str]) -> None:
         raise SlurmUnreachableError(["scontrol"], "no answer within 10 s")
@@ -315,12 +315,12 @@ class Node:
         return [call.strip("\n").split("\n") for call in text.split("---\n") if call.strip()]
 
     def prolog(self, dcgmi: Dcgmi, **settings: str) -> tuple[subprocess.CompletedProcess[str], float]:
-        """`python -m apps.hooks prolog` as slurmd would start it here: (what it did, wall seconds)."""
+        """`python -m medic.apps.hooks prolog` as slurmd would start it here: (what it did, wall seconds)."""
         env = shim_env(self.shim_dir, self.nvml) | dcgmi.env("fixture", "l1_pass.json") | self.env()
         env |= {"SLURMD_NODENAME": self.name} | settings
         started = time.monotonic()
         done = subprocess.run(
-            [sys.executable, "-m", "apps.hooks", "prolog"],
+            [sys.executable, "-m", "medic.apps.hooks", "prolog"],
             env=env,
             cwd=REPO_ROOT,
             capture_output=True,
@@ -492,7 +492,9 @@ def slurm_run(script: Path, **slurm_env: str) -> subprocess.CompletedProcess[str
 
 
 def test_epilog_script_runs_with_no_path(installed: Path, dcgmi: Dcgmi) -> None:
-    env = dcgmi.env("fixture", "l2_memory_faulty.json", FAKE_DCGMI_RC="205", MEDIC_PYTHON=sys.executable)
+    env = dcgmi.env(
+        "fixture", "l2_memory_faulty.json", FAKE_DCGMI_RC="205", MEDIC_BIN=str(Path(sys.executable).parent)
+    )
     settings(installed, {k: v for k, v in env.items() if not k.startswith("SLURM")})
     done = slurm_run(
         installed / "medic-epilog.sh", SLURMD_NODENAME=NODE, SLURM_JOB_ID="77", SLURM_JOB_EXIT_CODE2="0:6"
@@ -509,7 +511,7 @@ def test_prolog_and_healthcheck_scripts(installed: Path, dcgmi: Dcgmi, node: Nod
         "fixture",
         "l2_memory_faulty.json",
         FAKE_DCGMI_RC="205",
-        MEDIC_PYTHON=sys.executable,
+        MEDIC_BIN=str(Path(sys.executable).parent),
         MEDIC_PROLOG_FAIL_CLOSED="1",
     )
     # The settings file is sourced after the script sets PATH: a site may add to it, as here.
@@ -531,23 +533,21 @@ def test_prolog_and_healthcheck_scripts(installed: Path, dcgmi: Dcgmi, node: Nod
     ]
 
 
-@pytest.mark.parametrize(
-    ("python", "complaint"),
-    [
-        ("/nonexistent/python", "no Python at '/nonexistent/python'"),
-        (
-            "/usr/bin/python3",
-            "/usr/bin/python3 -m apps.hooks exited 1; not failing the prolog",
-        ),  # no GPU Medic
-    ],
-)
-def test_a_hook_that_cannot_run_fails_open(
-    installed: Path, dcgmi: Dcgmi, python: str, complaint: str
-) -> None:
-    settings(installed, {"MEDIC_PYTHON": python, "MEDIC_PROLOG_FAIL_CLOSED": "1"})
+def test_a_hook_that_cannot_run_fails_open(installed: Path, dcgmi: Dcgmi, tmp_path: Path) -> None:
+    settings(installed, {"MEDIC_BIN": "/nonexistent/bin", "MEDIC_PROLOG_FAIL_CLOSED": "1"})
     done = slurm_run(installed / "medic-prolog.sh", SLURMD_NODENAME=NODE)
     assert done.returncode == 0
-    assert complaint in done.stderr
+    assert "no medic-slurm-hook in '/nonexistent/bin'" in done.stderr
+    # An entry point whose Python has no GPU Medic (a broken install): it fails, the prolog does not.
+    broken = tmp_path / "broken-bin"
+    broken.mkdir()
+    hook = broken / "medic-slurm-hook"
+    hook.write_text("#!/usr/bin/python3 -I\nfrom medic.apps.hooks import main\nmain()\n")
+    hook.chmod(0o755)
+    settings(installed, {"MEDIC_BIN": str(broken), "MEDIC_PROLOG_FAIL_CLOSED": "1"})
+    done = slurm_run(installed / "medic-prolog.sh", SLURMD_NODENAME=NODE)
+    assert done.returncode == 0
+    assert f"{hook} exited 1; not failing the prolog" in done.stderr
     assert dcgmi.ran() is None
 
 
@@ -641,7 +641,7 @@ def node_state(name: str) -> tuple[str, str]:
 def slurm_settings(hooks: Path, dcgmi: Dcgmi, shim_dir: Path, **values: str) -> None:
     """The hooks' settings on both nodes; each node's NVML answers from its own shim state,
     nvml-<node name> beside the events (the settings file is shell: slurmd names the node)."""
-    env = dcgmi.env("fixture", "l2_pass.json", MEDIC_PYTHON=sys.executable, **values)
+    env = dcgmi.env("fixture", "l2_pass.json", MEDIC_BIN=str(Path(sys.executable).parent), **values)
     settings(hooks, {k: v for k, v in env.items() if not k.startswith("SLURM")})
     state = shlex.quote(str(dcgmi.events.parent / "nvml-")) + '"$SLURMD_NODENAME"'
     with (hooks / "medic-hooks.env").open("a") as f:

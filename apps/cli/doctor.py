@@ -12,10 +12,10 @@ from typing import Annotated, Any
 
 import typer
 
-from apps.cli._common import err
-from integrations import registry
-from integrations.probes import Probe, masked_url, probe_all
+from medic.apps.cli._common import err
 from medic.config import BACKENDS_VAR, Choice, Settings, load_settings
+from medic.integrations import registry
+from medic.integrations.probes import Probe, masked_url, probe_all, versions
 from medic.policy import PolicyError
 
 
@@ -38,6 +38,7 @@ def resolved(settings: Settings) -> dict[str, Any]:
             role: {"value": c.value, "source": c.source, "variable": c.variable}
             for role, c in settings.backends.items()
         },
+        "versions": versions(settings.env),
     }
 
 
@@ -67,6 +68,9 @@ def _print_text(config: dict[str, Any], settings: Settings, probes: list[Probe],
         *((role, _describe(choice)) for role, choice in settings.backends.items()),
     ]
     for name, value in rows:
+        out(f"  {name:<12} {value}\n")
+    out("\nVersions\n")
+    for name, value in config["versions"].items():
         out(f"  {name:<12} {value}\n")
     out("\nProbes\n")
     for probe in probes:

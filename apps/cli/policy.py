@@ -12,19 +12,20 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from apps.cli._common import EventsArgument, console, err, load_policy_or_exit, report_rejections
-from apps.cli.incidents import _since
-from apps.cli.replay_parallel import replay_store
+from medic.apps.cli._common import EventsArgument, console, err, load_policy_or_exit, report_rejections
+from medic.apps.cli.incidents import _since
+from medic.apps.cli.replay_parallel import replay_store
 from medic.config import load_settings
 from medic.intake import read_file
 from medic.policy import PolicyError, load_policy
 from medic.policy.explain import describe, trace
 from medic.policy.model import Policy
-from medic.policy.replay import ChangeLimit
-from medic.policy.replay_report import Count, ReplayReport
-from medic.policy.testing import default_tests_path, load_tests, run_tests
+from medic.shipped import SHIPPED_POLICY
 from medic.store import Store
 from medic.triage import replay
+from medic.whatif.replay import ChangeLimit
+from medic.whatif.replay_report import Count, ReplayReport
+from medic.whatif.testing import default_tests_path, load_tests, run_tests
 
 policy_app = typer.Typer(help="Check and inspect policy files.", no_args_is_help=True)
 
@@ -44,6 +45,28 @@ def policy_check(files: Annotated[list[Path], typer.Argument(help="Policy files.
         console.print(f"{path}: ok ({len(loaded.policy.rules)} rules, sha256 {loaded.sha256[:12]})")
     if failed:
         raise typer.Exit(1)
+
+
+@policy_app.command("init")
+def policy_init(
+    path: Annotated[
+        Path, typer.Argument(help="Where to write the policy; its test cases go beside it.")
+    ] = Path("policies/default.yaml"),
+    force: Annotated[bool, typer.Option("--force", help="Replace files that exist.")] = False,
+) -> None:
+    """Write the shipped default policy and its test cases to PATH, for SREs to edit and own.
+
+    Point MEDIC_POLICY (or the config file's `policy:`) at the copy; `medic policy test` runs its cases.
+    """
+    copies = {SHIPPED_POLICY: path, default_tests_path(SHIPPED_POLICY): default_tests_path(path)}
+    existing = [str(target) for target in copies.values() if target.exists()]
+    if existing and not force:
+        err.print(f"error: {', '.join(existing)} exists; --force replaces it", markup=False, highlight=False)
+        raise typer.Exit(1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for shipped, target in copies.items():
+        target.write_bytes(shipped.read_bytes())
+        console.print(f"wrote {target}", markup=False, highlight=False)
 
 
 @policy_app.command("schema")

@@ -1,10 +1,13 @@
 #!/bin/sh
-# Runs `python -m apps.hooks PHASE` (prolog | epilog | healthcheck) for Slurm (docs/agent.md).
+# Runs GPU Medic's installed `medic-slurm-hook PHASE` (prolog | epilog | healthcheck) for Slurm
+# (docs/agent.md). `medic node install-hooks /etc/slurm` writes these scripts from the installed package.
 #
 # Slurm starts Prolog, Epilog and HealthCheckProgram with almost no environment: no PATH and
 # none of the site's variables. So PATH is set here, and the site's settings come from a file:
 # medic-hooks.env beside this script, else /etc/default/medic-hooks (shell syntax, KEY=value):
-#   MEDIC_PYTHON            the Python that has GPU Medic installed
+#   MEDIC_BIN               the folder of GPU Medic's commands (the virtualenv's bin/ that
+#                           `pip install 'gpu-medic[node]'` filled); default /opt/gpu-medic/bin,
+#                           then PATH
 #   MEDIC_URL, MEDIC_TOKEN  where events go (or MEDIC_EVENTS_FILE for a JSON-lines file)
 #   MEDIC_DCGMI             dcgmi's path when it is not on the standard PATH
 #   MEDIC_HOOK_TIMEOUT_S    limit for one dcgmi run in the epilog and health check (default
@@ -18,7 +21,7 @@
 # Keep the file root-only (chmod 600): it holds the token.
 #
 # Anything that keeps the hook itself from running exits 0: a non-zero Prolog or Epilog drains
-# the node, and a missing Python is no reason to take GPUs out of service.
+# the node, and a missing or broken install is no reason to take GPUs out of service.
 set -u
 phase=${1:-}
 PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
@@ -35,29 +38,26 @@ for settings in "$here/medic-hooks.env" /etc/default/medic-hooks; do
   fi
 done
 
-python=${MEDIC_PYTHON:-}
-if [ -z "$python" ]; then
-  # An installation under /opt, a checkout this script belongs to, or the system's Python.
-  for candidate in /opt/gpu-medic/.venv/bin/python "$here/../../.venv/bin/python" python3; do
-    if command -v "$candidate" >/dev/null 2>&1; then
-      python=$candidate
-      break
-    fi
-  done
+bin=${MEDIC_BIN:-/opt/gpu-medic/bin}
+hook=
+if [ -x "$bin/medic-slurm-hook" ]; then
+  hook=$bin/medic-slurm-hook
+elif [ -z "${MEDIC_BIN:-}" ]; then  # no folder named: whatever the standard PATH has
+  hook=$(command -v medic-slurm-hook 2>/dev/null || true)
 fi
-if [ -z "$python" ] || ! command -v "$python" >/dev/null 2>&1; then
-  echo "medic $phase hook: no Python at '${python:-}'; set MEDIC_PYTHON in $here/medic-hooks.env" >&2
+if [ -z "$hook" ]; then
+  echo "medic $phase hook: no medic-slurm-hook in '${MEDIC_BIN:-/opt/gpu-medic/bin}' or on PATH; set MEDIC_BIN in $here/medic-hooks.env" >&2
   exit 0
 fi
-"$python" -m apps.hooks "$phase"
+"$hook" "$phase"
 status=$?
-# 10 is apps.hooks' "the preflight failed and the prolog fails closed"; any other failure is
-# the hook's own (GPU Medic not installed for this Python, a crash) and must not drain the node.
+# 10 is the hook's "the preflight failed and the prolog fails closed"; any other failure is the
+# hook's own (GPU Medic broken in that environment, a crash) and must not drain the node.
 case $status in
   0) exit 0 ;;
   10) exit 1 ;;
   *)
-    echo "medic $phase hook: $python -m apps.hooks exited $status; not failing the $phase" >&2
+    echo "medic $phase hook: $hook exited $status; not failing the $phase" >&2
     exit 0
     ;;
 esac
