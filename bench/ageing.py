@@ -163,7 +163,7 @@ def section(results: dict[str, Any]) -> str:
             "",
             f"Simulating, deciding and ranking one month takes {num(seconds.median)} s (median of the seeds; "
             f"{num(seconds.low)} - {num(seconds.high)} s).",
-            "`tests/test_ageing.py` holds seed 2 to a precision and recall of at least 0.75 at K.",
+            "`tests/domain/test_ageing.py` holds seed 2 to a precision and recall of at least 0.75 at K.",
             "Reproduce: `.venv/bin/python -m bench ageing`.",
         ]
     )

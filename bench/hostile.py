@@ -163,7 +163,7 @@ def malformed(count: int) -> tuple[list[Request], int]:
         lambda i: ("POST", "/v1/sentry", _signed_sentry(body(i), now - 3600), body(i)),
         lambda i: ("POST", "/v1/slack/interactions", {}, b"payload=%7B%7D"),
         lambda i: ("POST", "/v1/slack/interactions", _signed_slack(b"no=payload", now), b"no=payload"),
-        # What tests/test_http_fuzz.py found answered 500 before: a body not UTF-8 with any signature,
+        # What tests/entrypoints/test_http_fuzz.py found answered 500 before: a body not UTF-8 with any signature,
         # a signed payload that is no JSON object, a Sentry timestamp of "²" (which passes isdigit).
         lambda i: ("POST", "/v1/slack/interactions", _signed_slack(b"x", now), b"\xff" * (1 + i % 9)),
         lambda i: ("POST", "/v1/slack/interactions", _signed_slack(b"payload=null", now), b"payload=null"),

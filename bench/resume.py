@@ -281,7 +281,7 @@ def section(results: dict[str, Any]) -> str:
             table(["phase", "restart in place", "fresh launch (requeue)"], rows),
             "",
             f"What a training process imports, each in a fresh interpreter ({IMPORT_RUNS} runs): the hooks and the",
-            "checkpoint layout need the standard library only (tests/test_training_imports.py), so torch's",
+            "checkpoint layout need the standard library only (tests/training/test_training_imports.py), so torch's",
             "import is the whole of a worker's import time.",
             "",
             table(["import", "median", "p95"], import_rows),

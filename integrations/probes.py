@@ -368,7 +368,7 @@ def versions(env: Env) -> dict[str, str]:
         "gpu-medic": __version__,
         "store schema": HEAD,
         "prefect": prefect,
-        # `sinfo --version` prints "slurm 22.05.8" (the real one in tests/test_doctor.py).
+        # `sinfo --version` prints "slurm 22.05.8" (the real one in tests/entrypoints/test_doctor.py).
         "slurm": _tool_version(["sinfo", "--version"], r"^slurm\S*\s+(\S+)"),
         "dcgm": _tool_version([env.get("MEDIC_DCGMI") or "dcgmi", "--version"], DCGMI_VERSION),
     }

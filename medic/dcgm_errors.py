@@ -2,7 +2,7 @@
 
 The table ships as data (medic/data/dcgm_errors.csv) so it can be refreshed from a newer DCGM
 release without touching code. It is DCGM 4.6's (`dcgmErrorMeta` in dcgmlib/src/dcgm_errors.c,
-ids 0-132); tests/test_dcgm_parse.py diffs it against the copy of NVIDIA's header and table kept
+ids 0-132); tests/adapters/test_dcgm_parse.py diffs it against the copy of NVIDIA's header and table kept
 in tests/fixtures/dcgm/nvidia/. DCGM 3.x uses the same ids for the errors it has.
 """
 

@@ -6,7 +6,7 @@ refresh it are in the file's header and tests/fixtures/xid/SOURCES.md; docs/xid.
 whole table, code -> NVIDIA's bucket -> our action (`python -m medic.xid --write docs/xid.md`).
 
 NVIDIA's bucket -> our action (`ACTIONS`; the default policy's catalog rules follow it, and
-tests/test_xid_catalog.py checks that they do for every code):
+tests/domain/test_xid_catalog.py checks that they do for every code):
 
 - RESTART_APP: no node action; the job restarts from its checkpoint (software).
 - IGNORE: record only.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reliability figures with two `medic serve` replicas: the scenarios of tests/test_replicas.py at
+"""Reliability figures with two `medic serve` replicas: the scenarios of tests/system/test_replicas.py at
 issue 14's sizes, printed as markdown (BENCHMARKS.md's reliability section is written from them).
 
 Starts its own parts, as the tests do (tests/replicas_support.py): a `prefect server` on a fresh

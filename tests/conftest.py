@@ -177,7 +177,7 @@ CREDENTIAL_ENV = (
 class CredentialsInLogs(logging.Handler):
     """Every record logged in this process, searched for the credentials the environment holds when
     it is logged (tests set them with monkeypatch): a find fails the session and is named.
-    tests/test_no_secrets_in_logs.py does the same for everything a `medic serve` process writes."""
+    tests/entrypoints/test_no_secrets_in_logs.py does the same for everything a `medic serve` process writes."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)

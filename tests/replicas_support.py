@@ -1,9 +1,9 @@
 """Two `medic serve` replicas on one store, over a real Slurm cluster: the harness of
-tests/test_replicas.py and scripts/bench_replicas.py (issue 14, item 9).
+tests/system/test_replicas.py and scripts/bench_replicas.py (issue 14, item 9).
 
 Every part is real: a PostgreSQL database of its own, a `prefect server` on PostgreSQL (the caller's:
 the tests' `prefect_server` fixture, or bench/prefect_server.py), a Slurm cluster of 20 nodes started by
-scripts/slurm-cluster.sh in its own base and on its own ports (so it never meets tests/test_slurm.py's),
+scripts/slurm-cluster.sh in its own base and on its own ports (so it never meets tests/system/test_slurm.py's),
 and two `medic serve --dispatch local` processes on two ports sharing the store, the Prefect API, the
 Slurm cluster and one policy file. Faults are POSTed over HTTP, a replica is killed with SIGKILL and
 started again with the same configuration.

@@ -217,7 +217,7 @@ def policy_replay(
 def _flow_run_url(flow_run_id: str) -> str | None:
     """The run's page in the Prefect UI, when Prefect knows the UI's address (PREFECT_UI_URL)."""
     # Imported here: Prefect takes seconds to import, and only a replay with runs to link needs it
-    # (`medic` commands that do not orchestrate must not load it: tests/test_cli_triage.py).
+    # (`medic` commands that do not orchestrate must not load it: tests/entrypoints/test_cli_triage.py).
     from prefect.utilities.urls import url_for
 
     return url_for("flow-run", obj_id=flow_run_id)

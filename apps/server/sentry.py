@@ -69,7 +69,7 @@ def _kind(
 
 # Matched against the exception's type and value, the title and the message. Most specific
 # first: a CUDA error that names its XID is that XID, not a generic crash. Every quantifier is
-# bounded and none is nested (tests/test_sentry.py checks both): linear time. The NaN row holds
+# bounded and none is nested (tests/entrypoints/test_sentry.py checks both): linear time. The NaN row holds
 # the messages of the major training frameworks; tests/fixtures/sentry/SOURCES.md says where
 # each comes from.
 KINDS = (

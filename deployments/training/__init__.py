@@ -2,5 +2,5 @@
 
 They run inside someone else's training processes: the hook library and the checkpoint layout import
 the standard library only, and nothing here imports the rest of GPU Medic
-(tests/test_training_imports.py).
+(tests/training/test_training_imports.py).
 """

@@ -22,7 +22,7 @@ a failed HTTP delivery is logged only.
 
 This file runs inside every rank of someone else's job, so it needs the standard library only:
 no pydantic, no gpu-medic package, not even torch. `Event` checks what the schema checks for the
-kinds it can emit, so a bad event fails here and not at the consumer; tests/test_medic_hooks.py
+kinds it can emit, so a bad event fails here and not at the consumer; tests/training/test_medic_hooks.py
 validates every kind it writes with the domain model.
 """
 

@@ -10,7 +10,7 @@ so the next decision is made on the diagnostic result instead of asking for the 
 
 Each condition has two forms: a check that says why it holds (`CHECKS`, the semantics, used for
 the winner's reasons and by `medic policy explain`) and a yes/no test compiled from it once per
-policy (`_test`), which `decide` runs. tests/test_engine_compiled.py holds them to the same answer.
+policy (`_test`), which `decide` runs. tests/domain/test_engine_compiled.py holds them to the same answer.
 """
 
 from __future__ import annotations
