@@ -13,15 +13,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from medic.apps.cli._common import EventsArgument, console, err, load_policy_or_exit, report_rejections
-from medic.apps.cli.incidents import _since
-from medic.apps.cli.replay_parallel import replay_store
 from medic.config import load_settings
 from medic.intake import read_file
 from medic.policy import PolicyError, load_policy
 from medic.policy.explain import describe, trace
 from medic.policy.model import Policy
 from medic.shipped import SHIPPED_POLICY
-from medic.store import Store
 from medic.triage import replay
 from medic.whatif.replay import ChangeLimit
 from medic.whatif.replay_report import Count, ReplayReport
@@ -184,6 +181,12 @@ def policy_replay(
 ) -> None:
     """Decide every recorded incident again with FILE, on the facts recorded at the time, and show
     what would differ. Exit 1 over --max-changed, 2 for an invalid policy."""
+    # The store (SQLAlchemy) is the control plane's: imported here, so that `medic policy check`, `explain`,
+    # `test` and `init` run from the node bundle too (gpu-medic[node], docs/install.md).
+    from medic.apps.cli.incidents import _since
+    from medic.apps.cli.replay_parallel import replay_store
+    from medic.store import Store
+
     loaded = load_policy_or_exit(file)
     started = _since(since)
     store = Store(store_url or load_settings().database_url)

@@ -187,6 +187,16 @@ def test_the_node_bundle_has_no_control_plane_and_its_agent_runs(node: Path, tmp
     (event,) = [FaultEvent.model_validate_json(line) for line in sink.read_text().splitlines()]
     assert (event.kind, event.node, event.gpu) == (EventKind.THERMAL, "gpu-node-9", 2)
 
+    # Reading policies and events needs no control plane either.
+    shipped = run(
+        [str(node / "python"), "-c", "from medic.shipped import SHIPPED_POLICY as p; print(p)"], tmp_path
+    )
+    assert "default.yaml: ok" in run(
+        [str(node / "medic"), "policy", "check", shipped.strip()], tmp_path, clean_env()
+    )
+    (decided,) = triaged(run([str(node / "medic"), "triage", str(sink), "--json"], tmp_path, clean_env()))
+    assert decided["nodes"] == ["gpu-node-9"]
+
     hooks = tmp_path / "etc-slurm"
     run([str(node / "medic"), "node", "install-hooks", str(hooks)], tmp_path, clean_env())
     assert (hooks / "medic-prolog.sh").stat().st_mode & 0o111
