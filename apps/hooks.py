@@ -31,10 +31,11 @@ from typing import Any
 
 from medic import preflight
 from medic.events import EventKind, FaultEvent
+from medic.gpu_state import Unavailable
 from medic.integrations import nvml_preflight
 from medic.integrations.dcgm.diagnostics import DcgmDiagnostics
 from medic.integrations.dcgm.runner import DEFAULT_TERM_GRACE_S, LocalRunner
-from medic.integrations.nvml import Unavailable, snapshot
+from medic.integrations.nvml import snapshot
 from medic.integrations.sinks import sink_from
 from medic.integrations.slurm import SlurmCli, SlurmError, SlurmScheduler
 from medic.preflight import Failure, Verdict

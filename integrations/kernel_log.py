@@ -1,4 +1,5 @@
-"""New kernel-log lines since the last look, and the NVIDIA drivers' XID and NVSwitch SXid reports.
+"""New kernel-log lines since the last look, and the NVIDIA drivers' XID and NVSwitch SXid reports
+(parsed into the domain's `KernelXid` and `KernelSxid`, medic/gpu_state.py).
 
 Reads /dev/kmsg (one record per read, non-blocking) or a plain file that something appends to
 (a syslog file, `dmesg -w` redirected, a test's file). Lines from before the agent started are
@@ -12,8 +13,9 @@ import logging
 import os
 import re
 import stat
-from dataclasses import dataclass
 from pathlib import Path
+
+from medic.gpu_state import KernelSxid, KernelXid
 
 log = logging.getLogger(__name__)
 
@@ -41,29 +43,6 @@ _SXID_SEVERITY = re.compile(r"^(?P<severity>Non-fatal|Fatal)\b", re.IGNORECASE)
 _SXID_LINK = re.compile(r"\bLink\s+(?P<link>\d+)\b")
 MAX_RECORD = 8192  # /dev/kmsg hands out at most this much per record
 MAX_BYTES_PER_READ = 4 << 20  # a flood is read over several polls, never all at once
-
-
-@dataclass(frozen=True, slots=True)
-class KernelXid:
-    pci_bus_id: str  # normalized: 0000:3b:00
-    code: int
-    message: str
-    pid: int | None = None
-    process: str | None = None
-    gpu_instance: int | None = None  # MIG: the GPU instance the driver attributes the XID to
-    compute_instance: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class KernelSxid:
-    """An NVSwitch error: reported about a switch, not a GPU."""
-
-    nvswitch: str  # nvswitch0
-    pci_bus_id: str  # the switch's, normalized: 0000:05:00
-    code: int
-    message: str
-    fatal: bool | None = None  # None: the line says neither Fatal nor Non-fatal
-    link: int | None = None
 
 
 def _bus_id(address: str) -> str:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from medic.integrations.nvml import GpuSnapshot, NodeSnapshot, Unavailable, snapshot
+from medic.gpu_state import GpuSnapshot, NodeSnapshot, Unavailable
+from medic.integrations.nvml import snapshot
 from medic.preflight import GpuAnswers, NodeAnswers
 
 Reader = Callable[[], NodeSnapshot | Unavailable]

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from medic.integrations.kernel_log import KernelLog, KernelSxid, KernelXid, parse_sxid, parse_xid
+from medic.gpu_state import KernelSxid, KernelXid
+from medic.integrations.kernel_log import KernelLog, parse_sxid, parse_xid
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,9 @@ from nvml_support import (
     shim_env,
 )
 
+from medic.gpu_state import PcieLink
 from medic.integrations import nvml
-from medic.integrations.nvml import PcieLink, decode_clock_reasons, normalize_pci_bus_id
+from medic.integrations.nvml import decode_clock_reasons, normalize_pci_bus_id
 
 # Each element of STATES is written as the shim's state before one read of one NvmlSession.
 READS = """

@@ -11,8 +11,9 @@ from factories import fault_event
 
 from medic import xid
 from medic.facts import facts_of
+from medic.gpu_state import KernelSxid
 from medic.incidents import correlate
-from medic.integrations.kernel_log import KernelSxid, parse_sxid, parse_xid
+from medic.integrations.kernel_log import parse_sxid, parse_xid
 from medic.policy import Decision, decide, load_policy
 from medic.policy.model import Action, Classification
 from medic.xid import ACTIONS, RECOVERY_ACTIONS, RecoveryAction, Resolution

@@ -22,9 +22,7 @@ from medic.ageing import TREND_PER_DAY
 from medic.apps.agent import Agent, AgentOptions
 from medic.apps.server.decode import decode
 from medic.events import EventKind, FaultEvent
-from medic.intake import read_file
-from medic.integrations.kernel_log import KernelLog
-from medic.integrations.nvml import (
+from medic.gpu_state import (
     EccCounts,
     GpuSnapshot,
     NodeSnapshot,
@@ -33,6 +31,8 @@ from medic.integrations.nvml import (
     RowRemap,
     Unavailable,
 )
+from medic.intake import read_file
+from medic.integrations.kernel_log import KernelLog
 from medic.integrations.sinks import FileSink, HttpSink
 
 NODE = "gpu-node-07"
@@ -42,7 +42,7 @@ XID_13 = (
 )
 
 
-# -- in process: the change rules -----------------------------------------------------------
+# -- in process: the change rules (medic/detection.py), through the agent's reads and waits -----
 
 # What `gpu()` below reads: the counters every event about one of its GPUs carries.
 HEALTHY_COUNTERS = {

@@ -26,7 +26,7 @@ from replicas_support import free_port_block
 
 from medic.apps.hooks import FAIL_CLOSED, job_failed, main, run_hook, slurm_drain
 from medic.events import EventKind, FaultEvent
-from medic.integrations.nvml import EccCounts, GpuSnapshot, NodeSnapshot, RowRemap
+from medic.gpu_state import EccCounts, GpuSnapshot, NodeSnapshot, RowRemap
 from medic.integrations.slurm import NodeHeldByOthersError, SlurmCli, SlurmScheduler
 from medic.preflight import RETIRED_FIELD
 
