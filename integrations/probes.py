@@ -341,17 +341,21 @@ def probe_checkpoints(location: str) -> Probe:
 VERSION_TIMEOUT_S = 5.0
 
 
-def _tool_version(command: list[str], pattern: str) -> str:
-    """What a tool on this machine says of its version: the pattern's group, else why not."""
+def _tool_version(command: list[str], pattern: str, env: Env) -> str:
+    """What a tool on this machine says of its version: the pattern's group, else why not (Slurm's
+    tools print theirs only once they find a configuration: SLURM_CONF)."""
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, check=False)
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=VERSION_TIMEOUT_S, check=False, env=dict(env)
+        )
     except FileNotFoundError:
         return "not found"
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"unreadable ({error})"
     found = re.search(pattern, done.stdout, re.IGNORECASE | re.MULTILINE)
     if done.returncode != 0 or not found:
-        return f"unreadable (rc={done.returncode})"
+        said = (done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or ["no output"])[-1]
+        return f"unreadable (rc={done.returncode}: {said[:200]})"
     return found.group(1)
 
 
@@ -368,9 +372,10 @@ def versions(env: Env) -> dict[str, str]:
         "gpu-medic": __version__,
         "store schema": HEAD,
         "prefect": prefect,
-        # `sinfo --version` prints "slurm 22.05.8" (the real one in tests/entrypoints/test_doctor.py).
-        "slurm": _tool_version(["sinfo", "--version"], r"^slurm\S*\s+(\S+)"),
-        "dcgm": _tool_version([env.get("MEDIC_DCGMI") or "dcgmi", "--version"], DCGMI_VERSION),
+        # `sinfo --version` prints "slurm 22.05.8", or "slurm-wlm 22.05.8" from Debian's package (the real
+        # one in tests/entrypoints/test_doctor.py).
+        "slurm": _tool_version(["sinfo", "--version"], r"^slurm\S*\s+(\S+)", env),
+        "dcgm": _tool_version([env.get("MEDIC_DCGMI") or "dcgmi", "--version"], DCGMI_VERSION, env),
     }
 
 

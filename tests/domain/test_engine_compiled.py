@@ -279,10 +279,17 @@ def test_the_generated_incidents_reach_every_rule():
     storm = [
         fault_event("nccl_timeout", id=f"s{n}", minutes=1, node=n, switch="leaf-1") for n in ("n1", "n2")
     ]
+    # Likewise one job's timeouts on two GPUs of one node (`count-job`): a fresh clone's run once drew
+    # none in 300 streams.
+    one_job = [
+        fault_event("nccl_timeout", id=f"j{gpu}", minutes=1, node="n1", switch="leaf-1", gpu=gpu, job="j1")
+        for gpu in (0, 1)
+    ]
 
     @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
     @given(stream=events(), out_of_service=st.booleans())
     @example(stream=storm, out_of_service=False)
+    @example(stream=one_job, out_of_service=False)
     def collect(stream, out_of_service):
         context = Context(stream, switch_sizes={"leaf-1": 2, "leaf-2": 2})
         for facts in facts_in_turn(EVERY_CONDITION, correlate(stream), out_of_service, context):

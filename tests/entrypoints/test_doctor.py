@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,9 @@ from checkout import TEST_FIXTURES
 from slack_api import SlackApi, running_slack_api
 from slurm_cluster import Cluster, cluster  # noqa: F401  (the module's real Slurm cluster fixture)
 
+from medic import __version__
 from medic.integrations.probes import probe_aws, probe_prefect_ui, probe_store
+from medic.store.migrate import HEAD
 
 BIN = Path(sys.executable).parent
 TOKEN = "xoxb-1234-doctor-test"
@@ -104,8 +108,16 @@ def test_json_shape(tmp_path: Path) -> None:
         "probes",
         "ok",
         "exit_code",
+        "versions",
     }
     assert (report["ok"], report["exit_code"], report["errors"]) == (True, 0, [])
+    versions = report["versions"]
+    assert set(versions) == {"gpu-medic", "store schema", "prefect", "slurm", "dcgm"}
+    assert (versions["gpu-medic"], versions["store schema"]) == (__version__, HEAD)
+    assert versions["prefect"] == metadata.version("prefect")
+    assert versions["dcgm"] == "not found"  # no dcgmi here, and MEDIC_DCGMI names none
+    # Slurm's tools print their version only once they find a configuration; none is named here.
+    assert versions["slurm"] == "not found" or versions["slurm"].startswith("unreadable (rc="), versions
     assert report["backends"]["scheduler"] == {"value": "sim", "source": "env", "variable": "MEDIC_SCHEDULER"}
     assert report["backends"]["provider"] == {"value": "sim", "source": "env", "variable": "MEDIC_BACKENDS"}
     assert len(report["policy"]["sha256"]) == 64
@@ -215,6 +227,8 @@ def test_dcgm_through_the_configured_runner(tmp_path: Path, dcgmi: str, status: 
     assert done.returncode == (0 if status == "ok" else 1), done.stdout + done.stderr
     got_status, got = lines(done)["dcgm"]
     assert got_status == status and detail in got, got
+    version = "not found" if dcgmi == "missing" else "3.3.5"
+    assert f"\n  dcgm         {version}\n" in done.stdout
 
 
 # --- Slurm: the real local cluster ----------------------------------------------------------------
@@ -228,6 +242,10 @@ def test_slurm_controller_answers_with_its_version(tmp_path: Path, cluster: Clus
     status, detail = lines(done)["slurm"]
     assert status == "ok" and " is UP; slurm" in detail, detail
     assert "  scheduler    slurm (MEDIC_SCHEDULER, env)" in done.stdout
+    # The version the probe read from the controller's `sinfo --version`, in the Versions section too.
+    found = re.search(r"; slurm\S*\s+(\S+)$", detail)  # "slurm 22.05.8", Debian's "slurm-wlm 22.05.8"
+    assert found, detail
+    assert f"\n  slurm        {found.group(1)}\n" in done.stdout
 
 
 @pytest.mark.system
