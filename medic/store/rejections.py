@@ -168,5 +168,7 @@ def _count_one_by_one(connection: Connection, counts: list[dict[str, Any]], now:
 
 
 def _text(value: str) -> str:
-    """PostgreSQL text cannot hold NUL: a dead-lettered line with one must still be kept (as U+FFFD)."""
-    return value.replace("\x00", "\ufffd")
+    """What a dead letter keeps of a rejected text, whatever its characters: PostgreSQL text cannot hold
+    NUL (kept as U+FFFD), and neither store can hold a lone surrogate, which is not UTF-8 (a JSON body's
+    `\\ud800` decodes to one): kept as its escape, `\\ud800`, so the item is stored, not lost to a 500."""
+    return value.replace("\x00", "\ufffd").encode("utf-8", "backslashreplace").decode("utf-8")

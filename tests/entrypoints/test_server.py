@@ -1175,3 +1175,23 @@ def test_a_512_mb_post_to_slack_is_refused_before_it_is_read(tmp_path: Path) -> 
     assert unsigned in (401, None)  # answered 401 before the body; the client may see the close
     assert signed_looking in (413, None)  # read only up to 1 MiB
     assert grown_mb < 64, f"serve grew by {grown_mb:.0f} MB"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("where", ["data", "source"])
+async def test_a_rejected_cloudevent_with_a_lone_surrogate_is_kept(store: Store, where: str) -> None:
+    """A lone surrogate cannot be stored as UTF-8: the rejection is kept with it escaped, not lost to a 500."""
+    bad = cloudevent("ce-surrogate", attributes={"note": "\ud800"})  # no code: rejected
+    if where == "source":
+        bad["source"] = "agent\ud800"
+    body = json.dumps([bad], ensure_ascii=True)  # as a sender writes it: the escape `\ud800`
+    async with serving(make_app(store)) as client:
+        response = await client.post(
+            "/v1/events",
+            content=body,
+            headers=BEARER | {"Content-Type": "application/cloudevents-batch+json"},
+        )
+    assert response.status_code == 422, response.text
+    (kept,) = store.rejections()
+    assert "\\ud800" in kept.raw  # the escape's six characters, where the lone surrogate was
+    assert "lone surrogate" in kept.reason
