@@ -72,7 +72,6 @@ class Agent:
             expected_gpus=options.expected_gpus,
             nvlink_error_min_rise=options.nvlink_error_min_rise,
         )
-        self.nvml_answering = False  # whether the last NVML read answered: its recovery is logged
         self.nvml_failures = 0
         self.next_nvml_at = 0.0
         self.last_problem: str | None = None
@@ -127,7 +126,6 @@ class Agent:
             return None
         snapshot = self.nvml.read()
         if isinstance(snapshot, Unavailable):
-            self.nvml_answering = False
             self.nvml_failures += 1
             backoff = min(self.options.max_backoff_s, self.options.interval_s * 2**self.nvml_failures)
             self.next_nvml_at = self.clock() + backoff
@@ -135,10 +133,10 @@ class Agent:
                 log.warning("%s; trying again in %g s", snapshot.reason, backoff)
                 self.last_problem = snapshot.reason
             return snapshot
-        if not self.nvml_answering:
+        # The detector has seen the reads before this one: NVML answering again is logged once.
+        if self.detector.nvml_ok is not True:
             after = f" after {self.nvml_failures} failed reads" if self.nvml_failures else ""
             log.info("NVML answers%s: %d GPUs, driver %s", after, snapshot.gpu_count, snapshot.driver_version)
-        self.nvml_answering = True
         self.nvml_failures, self.next_nvml_at, self.last_problem = 0, 0.0, None
         return snapshot
 

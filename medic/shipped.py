@@ -13,12 +13,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent
 # Resolved against the package folder only: medic/policies is a link in a checkout, and its target
 # must not stand in for the package in the paths we print.
-POLICIES = PACKAGE / "policies"
-SHIPPED_POLICY = POLICIES / "default.yaml"
-SHIPPED_POLICY_TESTS = POLICIES / "default.tests.yaml"
-POLICY_SCHEMA = POLICIES / "policy.schema.json"
-POLICY_EXAMPLES = POLICIES / "examples"
-TRAINING = PACKAGE / "training"
-TRAIN_SCRIPT = TRAINING / "train.py"
+SHIPPED_POLICY = PACKAGE / "policies" / "default.yaml"
+TRAIN_SCRIPT = PACKAGE / "training" / "train.py"
 SLURM_HOOKS = PACKAGE / "slurm_hooks"
 SYSTEMD_UNITS = PACKAGE / "systemd"

@@ -8,6 +8,7 @@ client, httpx, the report's HTML and the simulator, which would add a second to 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 from collections.abc import Iterable
@@ -20,9 +21,6 @@ from medic import __version__
 from medic.apps.cli._common import err
 from medic.integrations.backend_errors import BackendError
 from medic.policy import PolicyError
-
-# The modules of the control plane's extra (pyproject.toml): a node bundle has none of them.
-SERVER_ONLY = frozenset({"prefect", "sqlalchemy", "sqlmodel", "alembic", "fastapi", "uvicorn", "httpx"})
 
 # Each command or command family, as `medic --help` lists them (registration order), and where it lives.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -117,9 +115,11 @@ def main() -> None:
         err.print(f"error: {error}", markup=False, highlight=False)
         raise SystemExit(2) from None
     except ModuleNotFoundError as error:
-        if (error.name or "").split(".")[0] not in SERVER_ONLY:
+        # A node bundle (`gpu-medic[node]`, no Prefect) asked for a control-plane command: whichever of the
+        # `server` extra's packages it reached first is missing; say what to install. Anything else is a bug.
+        ours = (error.name or "medic").split(".")[0] == "medic"
+        if ours or importlib.util.find_spec("prefect") is not None:
             raise
-        # A node bundle (`gpu-medic[node]`) asked for a control-plane command: say what to install.
         command = f"medic {first}" if first in COMMANDS else "this command"
         err.print(
             f"error: {command} needs GPU Medic's control plane ({error.name} is not installed): "

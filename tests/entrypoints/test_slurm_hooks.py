@@ -23,6 +23,7 @@ from nvidia_smi import answer_with_shim, fields, recorded
 from nvidia_smi import answers as smi_answers
 from nvml_support import ShimState, build_shim, shim_env
 from replicas_support import free_port_block
+from slurm_cluster import until
 
 from medic.apps.hooks import FAIL_CLOSED, job_failed, main, run_hook, slurm_drain
 from medic.events import EventKind, FaultEvent
@@ -556,14 +557,6 @@ def test_a_hook_that_cannot_run_fails_open(installed: Path, dcgmi: Dcgmi, tmp_pa
 SLURM_NODES = ("gpu-node-1", "gpu-node-2")
 
 
-def until(check: Callable[[], bool], what: str, within_s: float = 30.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {within_s:.0f} s")
-        time.sleep(0.1)
-
-
 def slurm_cmd(*args: str) -> str:
     return subprocess.run(list(args), capture_output=True, text=True, check=True, timeout=30).stdout.strip()
 
@@ -702,7 +695,7 @@ def test_a_failing_prolog_drains_the_node_with_our_reason_and_the_job_starts_els
             for e in dcgmi.written()
         )
 
-    until(ran_elsewhere, "the job's prolog on gpu-node-2", within_s=60)
+    until(ran_elsewhere, "the job's prolog on gpu-node-2", timeout_s=60)
     summary = next(e for e in dcgmi.written() if e.attributes.get("check") == "preflight")
     assert (summary.node, summary.job, summary.attributes["drained"]) == ("gpu-node-1", job, reason)
 
