@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 
 from medic.store import Store
 from medic.store.tables import IncidentRecord
+from medic.tasks.runners import dead_runners, runner_name
+
+# runner_name is named here too: the flows and `medic serve` name their leases' runners from here.
+__all__ = ["DEFAULT_LEASE_S", "LEASE_ENV", "Leases", "lease_seconds", "runner_name"]
 
 log = logging.getLogger("medic.leases")
 
@@ -35,21 +38,6 @@ def lease_seconds() -> float:
     if not 1 <= value <= 3600:
         raise ValueError(f"{LEASE_ENV}={raw!r}: give 1 to 3600 seconds")
     return value
-
-
-def runner_name(role: str) -> str:
-    """The name leases are held under: host, role (e.g. the port serve listens on) and process."""
-    return f"{socket.gethostname()}:{role}:{os.getpid()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
 
 
 class Leases:
@@ -92,13 +80,7 @@ class Leases:
 
     def dead_runners(self) -> set[str]:
         """Runners of this host and role whose process is gone (a predecessor killed mid-run)."""
-        host, role, _ = self.runner.rsplit(":", 2)
-        dead = set()
-        for runner in self.store.incident_runners():
-            their_host, their_role, pid = runner.rsplit(":", 2) if runner.count(":") >= 2 else ("", "", "")
-            if (their_host, their_role) == (host, role) and pid.isdigit() and not _alive(int(pid)):
-                dead.add(runner)
-        return dead
+        return dead_runners(self.store.incident_runners(), self.runner)
 
     def release(self, incident_id: str) -> None:
         with self._lock:

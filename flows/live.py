@@ -11,7 +11,8 @@ free to acknowledge events).
 Each run holds its incident's lease (flows/leases.py). Every `pickup_every` seconds, and at
 start, the service claims the incidents still being handled that no live run holds (a replica
 or a predecessor killed mid-run) and runs them again from their last recorded step, after
-settling the node actions a crash left without an outcome (tasks/reconcile.py).
+settling the node actions a crash left without an outcome (tasks/reconcile.py). It also sends
+again the chat messages such a process left in the store's outbox (tasks/notify.py).
 
 Before any of that, events pass the differential (medic/culprit.py): step timings become the
 stragglers their peers reveal, a hang's timeouts become its culprit's (held `settle` seconds for
@@ -49,6 +50,7 @@ from medic.tasks import prefect_events
 from medic.tasks.contain import contain
 from medic.tasks.evidence import storms
 from medic.tasks.guard import ensure_limits
+from medic.tasks.notify import redeliver
 from medic.tasks.reconcile import reconcile_intents
 from medic.tasks.runtime import Runtime
 from medic.topology import Topology
@@ -110,7 +112,9 @@ class LiveDispatcher:
         """Run every incident still being handled that no live run holds; returns how many.
 
         Its node actions that a crash left without an outcome are settled first, from the
-        provider's record (tasks/reconcile.py), so the run knows what was done."""
+        provider's record (tasks/reconcile.py), so the run knows what was done. Chat messages a
+        process that is gone left unsent go out again before anything a run picked up now says."""
+        await anyio.to_thread.run_sync(redeliver, self.rt)
         claimed = [stored(record) for record in await anyio.to_thread.run_sync(self.leases.pickup)]
         if claimed:
             ids = {incident.id for incident in claimed}

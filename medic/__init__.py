@@ -2,4 +2,4 @@
 
 # The release (pyproject.toml reads it; CHANGELOG.md has its entry; medic/store/migrate.py names the
 # store schema it writes).
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -1,4 +1,5 @@
-"""The statuses an incident, a node action, a stage and the act stage's outcome go through.
+"""The statuses an incident, a node action, a stage, the act stage's outcome and a chat message go
+through.
 
 StrEnums: a member is equal to its string, so the store's text columns, the JSON lines and the
 Prefect events carry the same bytes as the plain strings they replace. Rows read back from the
@@ -60,3 +61,11 @@ class ActStatus(StrEnum):
 
 # The node action happened, in this run or an earlier one for the same fault.
 ACT_DONE_STATUSES = frozenset({ActStatus.DONE, ActStatus.ALREADY_DONE})
+
+
+class MessageStatus(StrEnum):
+    """A chat message in the store's outbox (tasks/notify.py): pending until it is settled."""
+
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    GIVEN_UP = "given up"  # refused, too old, or its run's final flush ended: a failed step says why

@@ -49,6 +49,7 @@ def serve(
     """Run the HTTP ingest service: POST /v1/events, GET /healthz, GET /metrics."""
     from medic.apps.server.main import ServeConfigError
     from medic.apps.server.main import serve as run_server
+    from medic.tasks.notify import left_behind
 
     if dispatch is Dispatch.PREFECT and not _prefect_api_url():
         # An embedded Prefect server has no workers: every incident would wait forever.
@@ -71,6 +72,7 @@ def serve(
             log_level=log_level,
             access_log=access_log,
             on_start=_pickup(dispatcher) if dispatch is Dispatch.LOCAL else None,
+            on_stop=left_behind,  # says how many chat messages stay in the outbox for the next start
         )
     except ServeConfigError as error:
         err.print(f"[red]error:[/red] {escape(str(error))}")

@@ -9,7 +9,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 
@@ -37,9 +37,11 @@ def serve(
     access_log: bool = True,
     env: Mapping[str, str] | None = None,
     on_start: OnStart | None = None,
+    on_stop: Callable[[], object] | None = None,
 ) -> None:
     """Serve until interrupted. The store is MEDIC_DATABASE_URL; credentials MEDIC_INGEST_*, and
-    MEDIC_SENTRY_CLIENT_SECRET for `POST /v1/sentry`."""
+    MEDIC_SENTRY_CLIENT_SECRET for `POST /v1/sentry`. `on_stop` runs when a signal stops it, just
+    before the process ends."""
     env = os.environ if env is None else env
     tokens, secret = credentials_from_env(env)
     sentry_secret = sentry.secret_from_env(env)
@@ -81,7 +83,7 @@ def serve(
         # needs several turns, so under 8 running flows a burst of 40 waited seconds. 1 ms.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         redact.install()  # after uvicorn.Config, which configures uvicorn's loggers
-        _Server(config).run()
+        _Server(config, on_stop).run()
     finally:
         store.close()
 
@@ -95,6 +97,10 @@ SWITCH_INTERVAL_S = 0.001
 
 
 class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], object] | None) -> None:
+        super().__init__(config)
+        self.on_stop = on_stop
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         await super().shutdown(sockets)
         if self._captured_signals:
@@ -102,6 +108,8 @@ class _Server(uvicorn.Server):
             # loop's close would wait for every one of them (minutes, retrying a Prefect API
             # that is gone). Everything they did is in the store: the next start resumes their
             # incidents (docs/serve.md), so end here, as after `kill -9`, minus the children.
+            if self.on_stop is not None:
+                self.on_stop()
             _stop_now(128 + self._captured_signals[-1])
 
 

@@ -1,7 +1,7 @@
 """`medic audit prune`: incidents handled before a date leave the store, archived first.
 
 What leaves: each incident no longer active (closed, escalated, failed) that ended before the date,
-with every row tied to it (events, steps, diagnostics, decisions, actions, approvals, goodput) and
+with every row tied to it (events, steps, diagnostics, decisions, actions, approvals, goodput, outbox) and
 their ledger entries. In order: the chain is verified; the rows and entries are written to a signed
 archive, which is read back and verified; then one transaction seals a prune record (the archive's
 sha256, the chain's head, the runs of entries removed) and deletes exactly what was archived. The
@@ -31,7 +31,7 @@ from medic.store.tables import AuditPruneRecord, IncidentRecord
 from medic.store.verify import PRUNES, Verification, VerifyMixin
 
 # The tables whose rows belong to an incident, by their `incident_id`; `incidents` itself by `id`.
-_OF_INCIDENT = ("events", "steps", "diagnostics", "decisions", "actions", "approvals", "goodput")
+_OF_INCIDENT = ("events", "steps", "diagnostics", "decisions", "actions", "approvals", "goodput", "outbox")
 _CHUNK = 500
 
 

@@ -15,6 +15,7 @@ from medic.store.events import EventsMixin
 from medic.store.goodput import GoodputMixin
 from medic.store.incidents import IncidentsMixin
 from medic.store.metrics import MetricsMixin
+from medic.store.outbox import OutboxMixin
 from medic.store.prune import PruneMixin
 from medic.store.rejections import RejectionsMixin
 from medic.store.replay import ReplayMixin
@@ -29,6 +30,7 @@ class Store(
     RejectionsMixin,
     IncidentsMixin,
     StagesMixin,
+    OutboxMixin,
     ActionsMixin,
     ApprovalsMixin,
     BreakerMixin,

@@ -238,6 +238,30 @@ class BreakerRecord(SQLModel, table=True):
     closed_by: str | None = None
 
 
+class OutboxRecord(SQLModel, table=True):
+    """A chat message on its way (tasks/notify.py): written when the flow says it, settled once it is
+    delivered or given up. Not audited: a delivery queue, whose outcomes are the `notify` and `update`
+    steps. The process sending a message holds it (`owner`, renewed while it tries); a message whose
+    holder is gone is claimed and sent again by another process (docs/slack.md)."""
+
+    __tablename__ = "outbox"
+
+    id: int | None = Field(default=None, primary_key=True)  # the order the messages were said in
+    incident_id: str = Field(index=True)
+    stage: str  # notify: a message of its own; update: a reply in its parent's thread
+    message: dict[str, Any] | None = _json()  # a message of its own: medic.protocols.Message
+    text: str = Field(default="", sa_column=Column(Text, nullable=False))  # a reply's text
+    parent_id: int | None = None  # a reply's message: the row whose thread it goes in
+    status: str = Field(index=True)  # a MessageStatus
+    tries: int = 0
+    error: str = Field(default="", sa_column=Column(Text, nullable=False))  # the last try's
+    ref: str | None = None  # the thread, once a message of its own is posted
+    owner: str | None = None  # the process sending it: "host:notify:pid" (medic/tasks/runners.py)
+    lease_until: datetime | None = _time(nullable=True)
+    created_at: datetime = _time()
+    settled_at: datetime | None = _time(nullable=True)
+
+
 class AuditChainRecord(SQLModel, table=True):
     """The ledger: one entry per write of an audited row, appended in the write's own transaction
     (medic/store/ledger.py). Entries are never updated; a prune removes whole runs of them and
