@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from medic.goodput import IncidentCost, job_goodput
+from medic.holds import Hold
 from medic.statuses import IncidentStatus
 from medic.store.report import ReportRows
 from medic.store.tables import ApprovalRecord, IncidentRecord
@@ -120,6 +121,9 @@ class Report(BaseModel):
     goodput_lost: list[JobLoss]  # most downtime first
     approvals: list[Approval]
     approvers: list[Approver]
+    # The nodes GPU Medic holds out of service when the report is made, whatever the window: the store's
+    # record (`medic node held` adds the scheduler's view).
+    held: list[Hold] = []
 
 
 def build_report(rows: ReportRows, *, since: datetime | None, now: datetime) -> Report:
@@ -154,6 +158,7 @@ def build_report(rows: ReportRows, *, since: datetime | None, now: datetime) -> 
         goodput_lost=_goodput_lost([IncidentCost.of(r) for r in rows.goodput]),
         approvals=[_approval(a, nodes_of.get(a.incident_id)) for a in rows.approvals],
         approvers=_approvers(rows.approvals),
+        held=rows.held,
     )
 
 

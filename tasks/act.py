@@ -13,7 +13,13 @@ from medic.tasks import prefect_events
 from medic.tasks.contain import release
 from medic.tasks.guard import guarded
 from medic.tasks.host_evidence import keep_host_evidence
-from medic.tasks.node_ops import ensure_drained, held_by_others, reintegrate_node, take_out_of_service
+from medic.tasks.node_ops import (
+    ensure_drained,
+    held_by_others,
+    holding,
+    reintegrate_node,
+    take_out_of_service,
+)
 from medic.tasks.resume import JobsOff, move_jobs_off
 from medic.tasks.retry import transient_only
 from medic.tasks.runtime import Runtime, current
@@ -40,12 +46,14 @@ class ActOutcome(BaseModel):
         return self.status == ActStatus.DONE
 
 
-def _stopped(action: Action, stopped: tuple[str, str]) -> ActOutcome:
+def _stopped(
+    rt: Runtime, incident_id: str, node: str, action: Action, stopped: tuple[str, str]
+) -> ActOutcome:
     name, why = stopped
     return ActOutcome(
         action=action,
         status=ActStatus.ESCALATED,
-        detail=f"stopped by guardrail {name} at the last check: {why}",
+        detail=f"stopped by guardrail {name} at the last check: {why}; {holding(rt, incident_id, node)}",
     )
 
 
@@ -63,7 +71,7 @@ def _destructive(rt: Runtime, incident_id: str, node: str, gpu: int | None, deci
         return ActOutcome(action=action, status=ActStatus.ESCALATED, detail=f"{holder}; not touched")
     with guarded(rt, node, decision) as stopped:
         if stopped:
-            return _stopped(action, stopped)
+            return _stopped(rt, incident_id, node, action, stopped)
         row, claimed = rt.store.claim_action(key, incident_id, node, action.value)
         if not claimed:  # another run for this fault got there between our look and our claim
             return _claimed_before(action, node, row)
@@ -146,14 +154,16 @@ def _not_called(rt: Runtime, key: str, node: str, action: Action, drained: str, 
     )
 
 
-def _handed_over(decision: Decision) -> str:
+def _handed_over(rt: Runtime, incident_id: str, node: str, decision: Decision) -> str:
     blocked = decision.blocked_action.value if decision.blocked_action else "action"
     if decision.guardrail:
-        return f"handed to humans ({blocked} stopped by guardrail {decision.guardrail}); node not touched"
-    if decision.blocked_action is Action.DIAGNOSE:
+        why = f"{blocked} stopped by guardrail {decision.guardrail}"
+    elif decision.blocked_action is Action.DIAGNOSE:
         # The ladder's other stop: drained, but a job could not be moved off (flows/ladder.py).
-        return "handed to humans (diagnose not run: a job still runs on the node); node held out of service"
-    return "handed to humans; node not touched"
+        why = "diagnose not run: a job still runs on the node"
+    else:
+        return f"handed to humans; {holding(rt, incident_id, node)}"
+    return f"handed to humans ({why}); {holding(rt, incident_id, node)}"
 
 
 @task(
@@ -175,7 +185,7 @@ def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> Act
         elif action is Action.DRAIN:
             taken = take_out_of_service(rt, incident_id, node, decision, "drain")
             outcome = (
-                _stopped(action, taken.stopped)
+                _stopped(rt, incident_id, node, action, taken.stopped)
                 if taken.stopped
                 else ActOutcome(action=action, status=ActStatus.DONE, detail=taken.detail)
             )
@@ -184,7 +194,11 @@ def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> Act
                 action=action, status=ActStatus.DONE, detail=reintegrate_node(rt, incident_id, node)
             )
         elif action is Action.ESCALATE:
-            outcome = ActOutcome(action=action, status=ActStatus.ESCALATED, detail=_handed_over(decision))
+            outcome = ActOutcome(
+                action=action,
+                status=ActStatus.ESCALATED,
+                detail=_handed_over(rt, incident_id, node, decision),
+            )
         else:
             # Left alone, but the containment may have drained it for an answer that since changed.
             returned = release(rt, incident_id, node)

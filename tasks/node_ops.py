@@ -87,6 +87,31 @@ def _holder(info: NodeInfo) -> str | None:
     return f"{info.name} is {info.state.value} by others ({info.reason or 'no reason given'})"
 
 
+def holding(rt: Runtime, incident_id: str, node: str, none: str = "node not touched") -> str:
+    """What an escalation leaves people with, from the store's actions: the node this incident drained
+    (its containment, a diagnostic) is held for them, out of service, never returned in silence; one
+    another incident of ours holds says which; with no hold of ours on the node, `none`."""
+    held = rt.store.held_nodes(node)
+    if not held:
+        return none
+    (hold,) = held
+    if hold.incident == incident_id:
+        return (
+            f"{node} {_TAKEN[hold.action]} by GPU Medic and held for you: out of service until a human "
+            "resumes it in the scheduler or a later incident reintegrates it"
+        )
+    return f"node not touched by this incident; {node} is held by GPU Medic for incident {hold.incident}"
+
+
+# How an action left the node, in a sentence about who holds it.
+_TAKEN = {
+    "drain": "drained",
+    "reset_gpu": "drained (GPU reset)",
+    "reboot": "drained (rebooted)",
+    "replace": "drained (replaced)",
+}
+
+
 def ensure_drained(rt: Runtime, incident_id: str, node: str, why: str) -> str:
     """Drain the node for this incident unless it is already out of service. Returns what happened.
 

@@ -13,7 +13,7 @@ from medic.policy import Action
 from medic.policy.deep_checks import CheckName, DeepChecks
 from medic.statuses import StepStatus
 from medic.tasks.deep_check import all_reduce_budget_s, dcgm_check, node_budget_s, run_checks
-from medic.tasks.node_ops import resume_node
+from medic.tasks.node_ops import holding, resume_node
 from medic.tasks.retry import transient_only
 from medic.tasks.runtime import current
 from medic.tasks.stage import stage
@@ -43,7 +43,11 @@ def _detail(results: list[CheckResult], level: int, action: Action) -> str:
     found = [] if dcgm.passed else [f"DCGM level {level} {dcgm.measured.get('result', dcgm.verdict.value)}"]
     found += [r.line() for r in others if not r.passed]
     after = "replace" if action is Action.REPLACE else "repair"
-    return f"{'; '.join(found)} after {after}; kept out of service"
+    return f"{'; '.join(found)} after {after}"
+
+
+# A failed verification leaves the node out; said so when the store holds no action of ours on it.
+_KEPT = "kept out of service"
 
 
 @task(
@@ -66,7 +70,7 @@ def verify(
         except PermanentError as error:  # e.g. never seen going down: the action is unconfirmed
             back, gone = False, str(error)
         if not back:
-            outcome = VerifyOutcome(passed=False, detail=f"{gone}; kept out of service")
+            outcome = VerifyOutcome(passed=False, detail=f"{gone}; {holding(rt, incident_id, node, _KEPT)}")
         else:
             # DCGM alone is the plain verification, recorded in the diagnostics; deep checks add a
             # step each.
@@ -77,8 +81,8 @@ def verify(
             )
             detail = _detail(results, level, action)
             passed = overall(results) is Verdict.PASS
-            if passed:
-                detail = f"{detail}; {resume_node(rt, incident_id, node)}"
+            # Passed, the node returns; failed, it stays ours, held for people (docs/decisions/0013).
+            detail = f"{detail}; {resume_node(rt, incident_id, node) if passed else holding(rt, incident_id, node, _KEPT)}"
             outcome = VerifyOutcome(passed=passed, detail=detail)
         log.done(outcome.detail, status=StepStatus.OK if outcome.passed else StepStatus.FAILED)
         return outcome

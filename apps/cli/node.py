@@ -15,9 +15,14 @@ from typing import Annotated
 import typer
 
 from medic.apps.cli._common import console
+from medic.apps.cli.held import held_command
 from medic.shipped import SLURM_HOOKS, SYSTEMD_UNITS
 
-node_app = typer.Typer(help="Install the node's Slurm hooks and the systemd units.", no_args_is_help=True)
+node_app = typer.Typer(
+    help="Install the node's Slurm hooks and the systemd units; list the nodes GPU Medic holds.",
+    no_args_is_help=True,
+)
+node_app.command("held")(held_command)
 
 HOOKS_ENV = "medic-hooks.env"
 

@@ -84,3 +84,4 @@ def _print(built: Report) -> None:
     console.print(Columns([_table(views.nodes(built)), _table(views.gpus(built))]))
     console.print(_table(views.goodput(built)))
     console.print(Columns([_table(views.approvals(built)), _table(views.approvers(built))]))
+    console.print(_table(views.held(built)))

@@ -65,6 +65,7 @@ def report_page(report: Report) -> tuple[str, str | None]:
         ),
         ("Goodput lost per job", "goodput", chart("goodput") + _tables(views.goodput(report))),
         ("Approvals", "approvals", _tables(views.approvals(report), views.approvers(report))),
+        ("Nodes held", "held", _tables(views.held(report))),
         ("Incidents", "incidents", _tables(views.incidents(report))),
     ]
     body = "".join(

@@ -153,6 +153,17 @@ def approvers(report: Report) -> View:
     )
 
 
+def held(report: Report) -> View:
+    return View(
+        "Nodes GPU Medic holds out of service now",
+        ["node", "incident", "action", "since", "incident status", "why"],
+        [
+            [h.node, h.incident, h.action, when(h.since), h.incident_status or "-", h.outcome or "-"]
+            for h in report.held
+        ],
+    )
+
+
 def incidents(report: Report) -> View:
     return View(
         "Every incident in the window",

@@ -14,7 +14,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from medic.store import Store
+from medic.store import Store, utcnow
 from medic.tasks.runtime import PolicyStatus, configured
 
 
@@ -29,8 +29,9 @@ class StoreCollector(Collector):
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        up, incidents, actions, rejected, kept = self._families()
+        up, incidents, actions, rejected, kept, held_for = self._families()
         try:
+            holds = self.store.held_nodes()
             open_incidents = self.store.open_incident_count()
             action_counts = self.store.action_counts()
             delays = self.store.decision_delays()
@@ -51,11 +52,22 @@ class StoreCollector(Collector):
         for reason_class, (seen, held) in sorted(by_class.items()):
             rejected.add_metric([reason_class], seen)
             kept.add_metric([reason_class], held)
-        yield from (up, incidents, actions, rejected, kept, _decision_histogram(delays))
+        now = utcnow()
+        for hold in holds:
+            since = (now - hold.since).total_seconds()
+            held_for.add_metric(
+                [hold.node, hold.incident, hold.action, hold.incident_status or "unknown"], since
+            )
+        yield from (up, incidents, actions, rejected, kept, held_for, _decision_histogram(delays))
 
     @staticmethod
     def _families() -> tuple[
-        GaugeMetricFamily, GaugeMetricFamily, CounterMetricFamily, CounterMetricFamily, CounterMetricFamily
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        CounterMetricFamily,
+        CounterMetricFamily,
+        CounterMetricFamily,
+        GaugeMetricFamily,
     ]:
         return (
             GaugeMetricFamily("medic_store_up", "1 if the store answered this scrape, else 0."),
@@ -72,6 +84,12 @@ class StoreCollector(Collector):
                 "medic_dead_letter_kept",
                 "Rejected input kept verbatim in the dead letter, by reason class (the rest is counted).",
                 labels=["reason_class"],
+            ),
+            GaugeMetricFamily(
+                "medic_node_held_seconds",
+                "Per node GPU Medic holds out of service (its action took it out, no resume of ours since): "
+                "seconds since, by the incident that holds it and that incident's status.",
+                labels=["node", "incident", "action", "incident_status"],
             ),
         )
 

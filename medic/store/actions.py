@@ -9,14 +9,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from datetime import datetime
 
-from sqlalchemy import or_, update
+from sqlalchemy import and_, func, or_, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
+from medic.holds import Hold
 from medic.statuses import ActionStatus
 from medic.store.engine import StoreBase, utcnow
 from medic.store.ledger import audited
-from medic.store.tables import ActionRecord
+from medic.store.tables import ActionRecord, IncidentRecord
+
+# The actions that leave a node out of service until we resume it (a reboot or a replacement does not
+# return the node by itself: it comes back after its verification), and the one that returns it.
+TAKE_OUT = ("drain", "reset_gpu", "reboot", "replace")
+RETURN = "resume"
 
 
 class ActionsMixin(StoreBase):
@@ -102,6 +108,15 @@ class ActionsMixin(StoreBase):
             s.commit()
             return row
 
+    def held_nodes(self, node: str | None = None) -> list[Hold]:
+        """Every node (or this one) whose last successful action of ours took it out of service and
+        that no `resume` of ours followed: the nodes GPU Medic holds, oldest hold first.
+
+        The store's side only: a human who returned a node in the scheduler by hand is not seen
+        here (`medic node held` asks the scheduler too)."""
+        with self.session() as s:
+            return held_nodes(s, node)
+
     def actions_since(self, since: datetime, actions: Iterable[str]) -> list[ActionRecord]:
         """Our successful actions of these kinds on any node since a time, oldest first."""
         with self.session() as s:
@@ -127,3 +142,40 @@ def succeeded_actions(
     if actions is not None:
         query = query.where(col(ActionRecord.action).in_(list(actions)))
     return list(s.exec(query.order_by(col(ActionRecord.intent_at))))
+
+
+def held_nodes(s: Session, node: str | None = None) -> list[Hold]:
+    """`ActionsMixin.held_nodes` in an open session."""
+    moves = [*TAKE_OUT, RETURN]
+    done = and_(col(ActionRecord.status) == ActionStatus.SUCCEEDED, col(ActionRecord.action).in_(moves))
+    latest = select(ActionRecord.node, func.max(ActionRecord.finished_at).label("at")).where(done)
+    if node is not None:
+        latest = latest.where(ActionRecord.node == node)
+    last = latest.group_by(col(ActionRecord.node)).subquery()
+    query = (
+        select(ActionRecord, IncidentRecord)
+        .join(last, and_(col(ActionRecord.node) == last.c.node, col(ActionRecord.finished_at) == last.c.at))
+        .join(IncidentRecord, col(IncidentRecord.id) == col(ActionRecord.incident_id), isouter=True)
+        .where(done)
+        .order_by(col(ActionRecord.finished_at))
+    )
+    rows = s.exec(query).all()
+    held: dict[str, Hold] = {}
+    returned: set[str] = set()
+    for action, incident in rows:
+        if action.action == RETURN:  # one finished in the same instant as a take-out wins: returned
+            returned.add(action.node)
+            continue
+        assert action.finished_at is not None  # succeeded rows always have it
+        held.setdefault(
+            action.node,
+            Hold(
+                node=action.node,
+                incident=action.incident_id,
+                action=action.action,
+                since=action.finished_at,
+                incident_status=incident.status if incident is not None else None,
+                outcome=incident.outcome if incident is not None else None,
+            ),
+        )
+    return [h for n, h in held.items() if n not in returned]

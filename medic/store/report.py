@@ -1,8 +1,8 @@
 """What `medic report` reads: the incidents opened in a window, and of their events, actions,
 approvals and goodput only what the report's figures need (medic/report.py).
 
-Five queries over the whole window, grouped in the database, not a query per incident: a report
-covers a fleet's week or month.
+Five queries over the whole window, grouped in the database, not a query per incident (a report
+covers a fleet's week or month), and one for the nodes held now (`held_nodes`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from typing import Any
 from sqlalchemy import func
 from sqlmodel import col, select
 
+from medic.holds import Hold
+from medic.store.actions import held_nodes
 from medic.store.engine import StoreBase
 from medic.store.tables import ActionRecord, ApprovalRecord, EventRecord, GoodputRecord, IncidentRecord
 
@@ -36,6 +38,7 @@ class ReportRows:
     first_actions: dict[str, datetime]
     approvals: list[ApprovalRecord]  # oldest request first
     goodput: list[GoodputRecord]
+    held: list[Hold]  # now, whatever the window
 
 
 class ReportMixin(StoreBase):
@@ -83,4 +86,5 @@ class ReportMixin(StoreBase):
                 first_actions={i: at for i, at in s.exec(acted)},
                 approvals=list(approvals),
                 goodput=list(goodput),
+                held=held_nodes(s),
             )

@@ -240,7 +240,7 @@ def test_counts_durations_nodes_goodput_and_approvals(filled: Filled) -> None:
     )
 
 
-def test_the_report_reads_in_five_queries_however_many_incidents(filled: Filled) -> None:
+def test_the_report_reads_in_six_queries_however_many_incidents(filled: Filled) -> None:
     statements: list[str] = []
 
     def count(*args: Any) -> None:
@@ -251,7 +251,7 @@ def test_the_report_reads_in_five_queries_however_many_incidents(filled: Filled)
         filled.store.report_rows(None)
     finally:
         sa_event.remove(filled.store.engine, "before_cursor_execute", count)
-    assert len([s for s in statements if s.lstrip().upper().startswith("SELECT")]) == 5
+    assert len([s for s in statements if s.lstrip().upper().startswith("SELECT")]) == 6
 
 
 def test_percentiles_are_nearest_ranks() -> None:
@@ -282,6 +282,7 @@ SCHEMA = {
         "goodput_lost",
         "approvals",
         "approvers",
+        "held",
     },
     "incidents": {
         "id",
@@ -315,6 +316,7 @@ SCHEMA = {
         "wait_s",
     },
     "approvers": {"by", "approved", "denied"},
+    "held": {"node", "incident", "action", "since", "incident_status", "outcome"},
 }
 
 
@@ -338,7 +340,7 @@ def test_json_keeps_its_documented_keys(cli_store: Filled) -> None:
     data = json.loads(invoke("--since", "7d", "--json").stdout)
     assert set(data) == SCHEMA[""]
     assert data["schema_version"] == 1
-    for key in ("incidents", "by_rule", "nodes", "gpus", "goodput_lost", "approvals", "approvers"):
+    for key in ("incidents", "by_rule", "nodes", "gpus", "goodput_lost", "approvals", "approvers", "held"):
         assert data[key] and all(set(item) == SCHEMA[key] for item in data[key]), key
     for key in ("mttr", "time_to_first_action"):
         assert set(data[key]) == SCHEMA["mttr"]
@@ -355,7 +357,7 @@ def test_csv_writes_one_file_per_table(cli_store: Filled, tmp_path: Path) -> Non
             return list(csv.reader(f))
 
     lists = ["incidents", "by_status", "by_classification", "by_action", "by_rule", "nodes", "gpus"]
-    lists += ["goodput_lost", "approvals", "approvers"]
+    lists += ["goodput_lost", "approvals", "approvers", "held"]
     assert {p.stem for p in (tmp_path / "csv").iterdir()} == {*lists, "distributions", "histograms"}
     data = json.loads(invoke("--json").stdout)
     for stem in lists:

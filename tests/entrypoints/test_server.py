@@ -618,6 +618,12 @@ async def test_metrics_count_requests_and_read_the_store(sqlite_store: Store) ->
     }
     assert sum(v for (name, _), v in dead_letter.items() if name == "medic_dead_letter_rejected_total") == 2
     assert sum(v for (name, _), v in dead_letter.items() if name == "medic_dead_letter_kept_total") == 2
+    # gpu-001's last successful action of ours took it out, and nothing of ours returned it: held.
+    held = {labels: v for (name, labels), v in values.items() if name == "medic_node_held_seconds"}
+    assert list(held) == [
+        (("action", "reboot"), ("incident", "inc-open"), ("incident_status", "open"), ("node", "gpu-001"))
+    ]
+    assert 0 <= next(iter(held.values())) < 60
 
 
 @pytest.mark.anyio

@@ -19,9 +19,11 @@ from waiting import until
 
 from medic.apps.server.app import create_app
 from medic.flows.live import LiveDispatcher
+from medic.flows.remediate import remediate
 from medic.incidents import Incident
 from medic.integrations.registry import Backends
 from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.sim.notifier import RecordingNotifier
 from medic.policy import Action
 from medic.protocols import NodeState
 from medic.statuses import ActStatus, StepStatus
@@ -189,3 +191,57 @@ def test_a_drain_made_by_another_stage_is_not_returned_by_a_none(runtime: Runtim
     left_alone = evaluate(runtime, incident.id).model_copy(update={"action": Action.NONE})
     outcome = act.fn(incident.id, "gpu-node-1", None, left_alone)
     assert outcome.detail == "gpu-node-1 left alone" and node.state is NodeState.DRAINED
+
+
+def untruthful_outcomes(store: Store) -> list[str]:
+    """Incidents whose outcome says the node was not touched while the store holds a successful node
+    action of theirs (issue 41): the record must say what we did and what we hold."""
+    found = []
+    for record in store.find_incidents():
+        detail = store.incident_detail(record.id)
+        acted = detail is not None and any(a.status == "succeeded" for a in detail.actions)
+        if acted and "not touched" in (record.outcome or ""):
+            found.append(f"{record.id}: {record.outcome}")
+    return found
+
+
+def test_a_node_contained_before_the_breaker_opened_is_held_for_people_and_said_so(
+    runtime: Runtime, fleet: SimFleet
+) -> None:
+    """The kill storm's case: containment drained the node, then the breaker opened (other nodes' storm)
+    and the run escalated. The outcome and the Slack thread say the node is drained and held by GPU
+    Medic; it stays drained, listed as held for the incident."""
+    incident = opened(runtime, "gpu-node-2")
+    assert contain(runtime, incident.id, "gpu-node-2", "node") is not None
+    runtime.store.open_breaker("3 nodes taken out within 5 minutes (a storm elsewhere)")
+
+    outcome = asyncio.run(remediate(incident_id=incident.id, node="gpu-node-2"))
+
+    assert outcome.act == ActStatus.ESCALATED
+    record = runtime.store.get_incident(incident.id)
+    assert record is not None and record.outcome is not None
+    assert "guardrail circuit_breaker" in record.outcome, record.outcome
+    assert "gpu-node-2 drained by GPU Medic and held for you" in record.outcome, record.outcome
+    assert untruthful_outcomes(runtime.store) == []
+    notifier = runtime.backends.notifier
+    assert isinstance(notifier, RecordingNotifier)
+    (thread,) = notifier.threads.values()
+    assert any("drained by GPU Medic and held for you" in reply for reply in thread.replies), thread.replies
+    assert fleet.nodes["gpu-node-2"].state is NodeState.DRAINED
+    assert [(h.node, h.incident, h.action) for h in runtime.store.held_nodes()] == [
+        ("gpu-node-2", incident.id, "drain")
+    ]
+
+
+def test_an_escalation_that_drained_nothing_says_the_node_was_not_touched(
+    runtime: Runtime, fleet: SimFleet
+) -> None:
+    incident = opened(runtime, "gpu-node-4")
+    runtime.store.open_breaker("a storm elsewhere")  # before containment: nothing is drained
+    assert contain(runtime, incident.id, "gpu-node-4", "node") is None
+
+    asyncio.run(remediate(incident_id=incident.id, node="gpu-node-4"))
+
+    record = runtime.store.get_incident(incident.id)
+    assert record is not None and "node not touched" in (record.outcome or ""), record
+    assert fleet.nodes["gpu-node-4"].state is NodeState.IDLE and runtime.store.held_nodes() == []

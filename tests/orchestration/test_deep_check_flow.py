@@ -228,7 +228,8 @@ def test_a_replacement_under_the_bandwidth_floor_stays_out_and_escalates(
     assert not outcome.verified.passed
     assert outcome.verified.detail == (
         "all_reduce on gpu-node-3 fail: busbw 200 GB/s at 8 GiB, under the floor of 400 GB/s of shape h100-8 "
-        "after replace; kept out of service"
+        "after replace; gpu-node-3 drained (replaced) by GPU Medic and held for you: out of service until a "
+        "human resumes it in the scheduler or a later incident reintegrates it"
     )
     assert fleet.nodes["gpu-node-3"].state is NodeState.DRAINED
     assert calls(fleet, "gpu-node-3") == ["drain", "replace", "nvml", "diagnose-l3", "all_reduce"]
