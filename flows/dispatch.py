@@ -43,7 +43,7 @@ def record(rt: Runtime, intake: Intake, leases: Leases | None = None) -> Dispatc
     runner = leases.runner if leases else runner_name("record")
     lease_s = leases.lease_s if leases else lease_seconds()
     for incident in incidents:
-        row, opened = rt.store.open_or_join(incident, runner=runner, lease_s=lease_s)
+        row, opened = rt.store.open_or_join(incident, runner=runner, lease_s=lease_s, window=window)
         if opened:
             prefect_events.incident_opened(incident)
             if leases is not None:

@@ -232,7 +232,7 @@ class LiveDispatcher:
         mine = []
         for incident in correlate(fresh, window, current):
             row, opened = self.rt.store.open_or_join(
-                incident, runner=self.leases.runner, lease_s=self.leases.lease_s
+                incident, runner=self.leases.runner, lease_s=self.leases.lease_s, window=window
             )
             if opened:
                 self.leases.hold(row.id)

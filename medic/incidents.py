@@ -18,12 +18,49 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 
 from medic.events import EventKind, FaultEvent
 
 DEFAULT_WINDOW = timedelta(minutes=10)
 Scope = Literal["node", "switch"]
+
+
+# A fault's copies (resent, or reported by a second source) share its node, GPU, kind and what names the
+# fault within its kind: an XID's number, a DCGM error, a failed health check. Nothing else: a copy's
+# message text, counters and source may differ.
+Signature = tuple[str, int | None, object]
+_NAMED_BY = ("code", "error_id", "check")
+
+
+def fault_signature(kind: str, gpu: int | None, attributes: Mapping[str, Any] | None) -> Signature:
+    named = attributes or {}
+    return (str(kind), gpu, next((named[k] for k in _NAMED_BY if k in named), None))
+
+
+def copies_of_handled(
+    events: Iterable[FaultEvent],
+    evidence: Iterable[tuple[Signature, datetime]],
+    window: timedelta,
+    held: bool,
+) -> bool:
+    """Whether `events` are more of a handled incident's fault, arriving after it acted (docs/decisions/0013):
+    each has a signature of the incident's `evidence` (its events' signatures and times) and, unless the
+    incident still holds the node out of service, comes within `window` of the fault's latest evidence
+    so far, the copies before it included: the burst goes on. A fault after a quiet `window` is a new
+    episode, and a different fault is a new incident."""
+    seen = list(evidence)
+    signatures = {signature for signature, _ in seen}
+    if not seen:
+        return False
+    last = max(at for _, at in seen)
+    for event in sorted(events, key=lambda e: e.time):
+        if fault_signature(event.kind, event.gpu, event.attributes) not in signatures:
+            return False
+        if not held and event.time - last > window:
+            return False
+        last = max(last, event.time)
+    return True
 
 
 def incident_id(node: str, first_event_id: str) -> str:

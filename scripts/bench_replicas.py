@@ -82,6 +82,8 @@ def duplicates_section(r: DuplicateStorm) -> str:
         ("incidents for the node", f"{len(r.incidents)} ({summarize(r.incidents)})"),
         ("reboots in the store (reboot/reset/replace rows)", f"{len(r.destructive)}: {store}"),
         ("Slurm reboot requests / reboots carried out", f"{r.slurm_requests} / {r.slurm_reboots}"),
+        ("Slack threads for the node", str(r.threads)),
+        ("copies received after their incident ended (joined it)", str(r.late)),
         ("settled after the last POST", _s(r.settle_s)),
         ("scenario took", f"{r.took_s:.0f} s"),
     ]

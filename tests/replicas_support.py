@@ -239,6 +239,30 @@ class StoreView:
     def actions(self, node: str | None = None) -> list[ActionRow]:
         return self._select(ActionRow, "actions", "intent_at", node)
 
+    def threads(self, node: str) -> int:
+        """Slack threads opened for the node's incidents: their delivered `notify` steps (a message each)."""
+        sql = (
+            "SELECT count(*) FROM steps s JOIN incidents i ON i.id = s.incident_id "
+            "WHERE i.node = :node AND s.stage = 'notify' AND s.status = 'ok'"
+        )
+        return int(self._rows(sql, node=node)[0][0])
+
+    def late_evidence(self, incident_id: str) -> int:
+        """The incident's events the store received after it was closed or escalated."""
+        sql = (
+            "SELECT count(*) FROM events e JOIN incidents i ON i.id = e.incident_id "
+            "WHERE i.id = :incident AND i.closed_at IS NOT NULL AND e.received_at > i.closed_at"
+        )
+        return int(self._rows(sql, incident=incident_id)[0][0])
+
+    def untruthful_outcomes(self) -> list[str]:
+        """Incidents whose outcome says the node was not touched though a node action of theirs succeeded."""
+        sql = (
+            "SELECT i.id, i.outcome FROM incidents i WHERE i.outcome LIKE '%not touched%' AND EXISTS "
+            "(SELECT 1 FROM actions a WHERE a.incident_id = i.id AND a.status = 'succeeded') ORDER BY i.id"
+        )
+        return [f"{r[0]}: {r[1]}" for r in self._rows(sql)]
+
     def active(self) -> list[IncidentRow]:
         return [i for i in self.incidents() if i.status in ACTIVE]
 
@@ -769,6 +793,8 @@ class DuplicateStorm:
     incidents: list[IncidentRow]
     events_by_incident: dict[str | None, int]
     destructive: list[ActionRow]  # the store's reboot/reset_gpu/replace rows for the node
+    threads: int  # Slack threads opened for the node's incidents
+    late: int  # events of the node's first incident received after it ended
     slurm_requests: int
     slurm_reboots: int
     settle_s: float | None  # from the last POST until everything finished; None: it never did
@@ -835,6 +861,8 @@ def duplicate_storm(
         incidents=h.store.incidents(node),
         events_by_incident=dict(by_incident),
         destructive=[a for a in h.store.actions(node) if a.action in DESTRUCTIVE],
+        threads=h.store.threads(node),
+        late=sum(h.store.late_evidence(i.id) for i in h.store.incidents(node)),
         slurm_requests=h.slurm.reboot_requests(marks).count(node),
         slurm_reboots=h.slurm.reboots(marks).count(node),
         settle_s=took,
@@ -932,6 +960,7 @@ class KillStorm:
     settle_problem: str | None
     incidents: list[IncidentRow]
     unattached: int
+    untruthful: list[str]  # outcomes saying "not touched" of a node their incident acted on
     taken_out: set[str]  # nodes Slurm showed out of service at some point, or the store says we acted on
     final_states: dict[str, str]
     latest: dict[str, IncidentRow]  # each node's latest incident
@@ -1027,6 +1056,7 @@ def kill_storm(
         settle_problem=problem,
         incidents=incidents,
         unattached=h.store.unattached_events(),
+        untruthful=h.store.untruthful_outcomes(),
         taken_out=sampler.ever_out | {a.node for a in actions if a.action in (*DESTRUCTIVE, "drain")},
         final_states=h.slurm.states(),
         latest=latest,

@@ -14,8 +14,9 @@ from sqlalchemy import func, or_, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from medic.incidents import Incident
-from medic.statuses import ACTIVE_INCIDENT_STATUSES, TERMINAL_INCIDENT_STATUSES, IncidentStatus
+from medic.incidents import DEFAULT_WINDOW, Incident, copies_of_handled, fault_signature
+from medic.statuses import ACTIVE_INCIDENT_STATUSES, TERMINAL_INCIDENT_STATUSES, ActionStatus, IncidentStatus
+from medic.store.actions import held_nodes
 from medic.store.engine import StoreBase, utcnow
 from medic.store.ledger import audited
 from medic.store.tables import (
@@ -55,7 +56,13 @@ class IncidentsMixin(StoreBase):
             return row
 
     def open_or_join(
-        self, incident: Incident, *, runner: str, lease_s: float, owner: str | None = None
+        self,
+        incident: Incident,
+        *,
+        runner: str,
+        lease_s: float,
+        owner: str | None = None,
+        window: timedelta = DEFAULT_WINDOW,
     ) -> tuple[IncidentRecord, bool]:
         """Open the incident with its lease held by `runner`, or join its events to the one being
         handled for the same node (switch). Returns (row, True) when the caller opened it and must
@@ -66,7 +73,10 @@ class IncidentsMixin(StoreBase):
         before (replayed input) is not opened again, and one whose run failed is run again.
         Events stored while the subject's incident was still active join it even when they reach
         here after it ended (a replica slowed down, a scheduler call that hung): the same fault's
-        late duplicates must not open a second incident that acts on the node again.
+        late duplicates must not open a second incident that acts on the node again. Nor do copies
+        that arrive later still, after the incident acted or was handed to people, while the fault's
+        burst goes on (`window`) or the incident holds the node: they join it as late evidence
+        (docs/decisions/0013), and the incident is not run again.
         """
         while True:
             with self.session() as s:
@@ -79,6 +89,13 @@ class IncidentsMixin(StoreBase):
                     _join(s, row, incident, owner)
                     s.commit()
                     return row, False
+                handled = _copies_handled_by(s, incident, window) if row is None else None
+                if handled is not None:
+                    # Late evidence: tied to the incident for its record, its times left as they were
+                    # (the fault it acted on), nothing run again.
+                    _tie_events(s, handled.id, incident)
+                    s.commit()
+                    return handled, False
                 if row is None:
                     row = _new_row(incident, owner)
                 else:  # its run raised: replayed input runs it again, from the top
@@ -227,6 +244,54 @@ class IncidentsMixin(StoreBase):
                 decisions=rows(DecisionRecord, col(DecisionRecord.id)),
                 actions=rows(ActionRecord, col(ActionRecord.id)),
             )
+
+
+# The node's latest handled incidents a copy is compared with: a copy of an older fault than these is
+# a fault that came back after other trouble on the node.
+_HANDLED_LOOKED_AT = 3
+
+
+def _acted(s: Session, incident_id: str) -> bool:
+    query = (
+        select(ActionRecord.key)
+        .where(ActionRecord.incident_id == incident_id)
+        .where(ActionRecord.status == ActionStatus.SUCCEEDED)
+    )
+    return s.exec(query).first() is not None
+
+
+def _copies_handled_by(s: Session, incident: Incident, window: timedelta) -> IncidentRecord | None:
+    """The node's handled incident these events are copies of (`copies_of_handled`), if any: one
+    that took a node action or was handed to people. One closed with nothing done is left out: a
+    fault judged harmless once is judged again when it repeats (a rule may count its repeats)."""
+    if incident.scope != "node":
+        return None  # a storm under a switch joins its incident within the window (0006)
+    query = (
+        select(IncidentRecord)
+        .where(IncidentRecord.node == incident.node)
+        .where(IncidentRecord.scope == "node")
+        .where(col(IncidentRecord.status).in_(sorted(TERMINAL_INCIDENT_STATUSES)))
+        .order_by(col(IncidentRecord.closed_at).desc())
+        .limit(_HANDLED_LOOKED_AT)
+    )
+    candidates = list(s.exec(query))
+    if not candidates:
+        return None
+    holder = next((h.incident for h in held_nodes(s, incident.node)), None)
+    for row in candidates:
+        if row.status != IncidentStatus.ESCALATED and not _acted(s, row.id):
+            continue
+        evidence = [
+            (fault_signature(kind, gpu, attributes), at)
+            for kind, gpu, attributes, at in s.exec(
+                select(EventRecord.kind, EventRecord.gpu, EventRecord.attributes, EventRecord.time).where(
+                    EventRecord.incident_id == row.id
+                )
+            )
+        ]
+        if copies_of_handled(incident.events, evidence, window, held=holder == row.id):
+            return row
+    return None
 
 
 def _unheld(now: datetime, dead: Iterable[str]) -> Any:

@@ -287,8 +287,15 @@ def test_a_fault_a_reboot_already_followed_is_not_rebooted_again(runtime: Runtim
     runtime.store.update_incident("inc-e1", status=IncidentStatus.CLOSED)
     assert fleet.nodes[node].boots == 1
 
-    # The same fault's late duplicate (its time before the reboot) in a second incident: covered.
-    late = fault_event(node=node, id="e1-2", at=utcnow() - timedelta(minutes=1))
+    # A copy of the fault joins the incident that rebooted the node (docs/decisions/0013): nothing to cover.
+    copy = fault_event(node=node, id="e1-copy", at=utcnow() - timedelta(minutes=1))
+    runtime.store.record_accepted([copy])
+    joined, opened = runtime.store.open_or_join(incident(copy, id="inc-copy"), runner="t:x:1", lease_s=30)
+    assert (joined.id, opened) == ("inc-e1", False)
+
+    # Evidence before the reboot that does reach a second incident (another GPU's, which the first
+    # incident never saw): the reboot covers it.
+    late = fault_event(node=node, id="e1-2", gpu=1, at=utcnow() - timedelta(minutes=1))
     _opened(runtime, "inc-e2", late)
     covered = act.fn("inc-e2", node, 0, _reboot("inc-e2"))
     assert covered.status == ActStatus.ALREADY_DONE and "incident inc-e1" in covered.detail
@@ -297,7 +304,7 @@ def test_a_fault_a_reboot_already_followed_is_not_rebooted_again(runtime: Runtim
 
     # The node faults again after the reboot: a new episode, for the policy to judge (here the
     # node's cooldown holds it; the episode check does not).
-    again = fault_event(node=node, id="e1-3", at=utcnow() + timedelta(seconds=1))
+    again = fault_event(node=node, id="e1-3", gpu=2, at=utcnow() + timedelta(seconds=1))
     _opened(runtime, "inc-e3", again)
     third = act.fn("inc-e3", node, 0, _reboot("inc-e3"))
     assert third.status == ActStatus.ESCALATED and "guardrail node_cooldown" in third.detail
