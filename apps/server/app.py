@@ -30,6 +30,7 @@ from medic.apps.server.slack import SlackCallbacks, refuse_early
 from medic.apps.server.slack import handle as handle_slack
 from medic.events import FaultEvent
 from medic.store import Store
+from medic.store.engine import unavailable
 
 log = logging.getLogger("medic.apps.server")
 
@@ -38,6 +39,8 @@ SLACK_MAX_BODY_BYTES = 1024 * 1024  # an interaction payload is a few KB
 # At shutdown, queued batches are handed on for at most this long; the rest stay stored and
 # undispatched, and the next start hands them on (its backlog).
 HAND_ON_GRACE_S = 3.0
+# How long a sender is asked to wait before it sends again what a store that did not answer refused.
+STORE_DOWN_RETRY_S = 5
 OnAccepted = Callable[[list[FaultEvent]], Awaitable[None]]
 OnStart = Callable[[], Awaitable[None]]
 
@@ -100,6 +103,18 @@ def commit(store: Store, decoded: Decoded, writes: AbstractContextManager[Any]) 
     return Ingested(reply, stored, len(decoded.events) + dead.rejected, dead.rejected)
 
 
+def _store_down(path: str, error: Exception) -> Response:
+    """Nothing was stored, so nothing is acknowledged: a 503 asks the sender to send it again (Alertmanager
+    and most webhook senders retry a 5xx and drop a 4xx), after `STORE_DOWN_RETRY_S`. The reason names
+    the error's type only: where the database is stays in the log."""
+    log.warning("%s: the store does not answer, answered 503: %s", path, error)
+    return JSONResponse(
+        {"error": f"the store does not answer ({type(error).__name__}); nothing was stored: send it again"},
+        status_code=503,
+        headers={"Retry-After": str(STORE_DOWN_RETRY_S)},
+    )
+
+
 def create_app(
     store: Store,
     *,
@@ -148,12 +163,16 @@ def create_app(
         """Add an ingest route: a refusal is its answer, and every answer is timed by its status."""
 
         async def route(request: Request) -> Response:
-            started, code = time.perf_counter(), 500  # 500 unless answered: the store failed
+            started, code = time.perf_counter(), 500  # 500 unless answered: a bug of ours
             try:
                 try:
                     response = await handler(request)
                 except _Refused as refused:
                     response = refused.response
+                except Exception as error:
+                    if not unavailable(error):
+                        raise
+                    response = _store_down(path, error)
                 code = response.status_code
                 return response
             finally:

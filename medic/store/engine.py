@@ -14,13 +14,22 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import event as sa_event
-from sqlalchemy import text
+from sqlalchemy import exc, text
 from sqlalchemy.engine import Connection, Engine
 from sqlmodel import Session, create_engine
 
 from medic import config
 from medic.store import ledger, migrate, sqlite
 from medic.store.chain import ChainKey
+
+
+def unavailable(error: BaseException) -> bool:
+    """Whether `error` says the database did not answer (down, unreachable, out of connections, not a
+    database any more), not that a statement was wrong: what was asked may be asked again later."""
+    if isinstance(error, exc.TimeoutError | exc.DisconnectionError):  # the pool: no connection to be had
+        return True
+    wrong = exc.IntegrityError | exc.DataError | exc.ProgrammingError | exc.NotSupportedError
+    return isinstance(error, exc.DBAPIError) and not isinstance(error, wrong)
 
 
 def utcnow() -> datetime:

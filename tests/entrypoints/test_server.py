@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
@@ -25,7 +26,7 @@ from checkout import TEST_FIXTURES
 from factories import T0, event_dict, fault_event, incident
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import text, update
+from sqlalchemy import create_engine, exc, text, update
 from typer.testing import CliRunner
 
 from medic.apps.server.app import MAX_BODY_BYTES, create_app
@@ -38,6 +39,7 @@ from medic.policy import Decision
 from medic.statuses import ACTIVE_INCIDENT_STATUSES
 from medic.store import Store, utcnow
 from medic.store import rejections as dead_letter_module
+from medic.store.engine import unavailable
 from medic.store.rejections import DEAD_LETTER_PER_MINUTE, DeadLettered
 from medic.store.tables import EventRecord, RejectedRecord
 
@@ -551,22 +553,56 @@ async def test_healthz_follows_the_database(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_store_failure_is_a_500_and_acknowledges_nothing(tmp_path: Path) -> None:
+async def test_a_store_that_does_not_answer_is_a_503_with_retry_after_and_acknowledges_nothing(
+    tmp_path: Path,
+) -> None:
+    """Senders (Alertmanager among them) retry a 5xx and drop a 4xx: a store that is down must ask them to
+    send again, never a bare 500 (issue 38)."""
     database = tmp_path / "medic.db"
     store = Store(f"sqlite:///{database}")
     app = make_app(store)
     store.engine.dispose()
     database.write_bytes(b"this is not a database" * 100)
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://medic") as client:
+    async with serving_raw(app) as client:
         response = await client.post("/v1/events", json=ev("e1"), headers=BEARER)
         values = samples((await client.get("/metrics")).text)
-    assert response.status_code == 500
-    assert values[("medic_ingest_seconds_count", (("code", "500"),))] == 1
+    assert response.status_code == 503 and response.headers["Retry-After"] == "5"
+    assert response.json() == {
+        "error": "the store does not answer (DatabaseError); nothing was stored: send it again"
+    }
+    assert str(tmp_path) not in response.text  # where the database is stays in the log
+    assert values[("medic_ingest_seconds_count", (("code", "503"),))] == 1
     assert values[("medic_events_stored_total", ())] == 0
     assert values[("medic_store_up", ())] == 0
     assert ("medic_incidents_open", ()) not in values
     store.close()
+
+
+@pytest.mark.anyio
+async def test_a_postgresql_store_gone_is_a_503(postgres_admin_url: str) -> None:
+    name = f"medic_gone_{uuid.uuid4().hex[:8]}"
+    admin = create_engine(postgres_admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
+    store = Store(postgres_admin_url.rsplit("/", 1)[0] + f"/{name}")
+    app = make_app(store)
+    store.engine.dispose()
+    with admin.connect() as connection:
+        connection.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
+    admin.dispose()
+    async with serving_raw(app) as client:
+        response = await client.post("/v1/events", json=ev("e1"), headers=BEARER)
+    assert response.status_code == 503 and response.headers["Retry-After"] == "5", response.text
+    assert response.json()["error"].startswith("the store does not answer (OperationalError)")
+    store.close()
+
+
+@asynccontextmanager
+async def serving_raw(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    """A client for an app whose store is gone: no lifespan (it reads the store), a 500 answered, not raised."""
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://medic") as client:
+        yield client
 
 
 def samples(body: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -1201,3 +1237,40 @@ async def test_a_rejected_cloudevent_with_a_lone_surrogate_is_kept(store: Store,
     (kept,) = store.rejections()
     assert "\\ud800" in kept.raw  # the escape's six characters, where the lone surrogate was
     assert "lone surrogate" in kept.reason
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "content_type", ["application/cloudevents+json", "application/cloudevents-batch+json", "application/json"]
+)
+async def test_a_null_specversion_with_a_time_past_the_last_utc_year_is_a_422_and_kept(
+    store: Store, content_type: str
+) -> None:
+    """A fuzz of the intake once got a 500 for this CloudEvent (issue 38): 9999-12-31T23:59:59-01:00 is
+    in year 10000 once in UTC. It must be a 4xx with its reason, kept in the dead letter."""
+    bad = cloudevent("ce-null-specversion") | {"specversion": None, "time": "9999-12-31T23:59:59-01:00"}
+    body = json.dumps([bad] if "batch" in content_type else bad)
+    async with serving(make_app(store)) as client:
+        response = await client.post(
+            "/v1/events", content=body, headers=BEARER | {"Content-Type": content_type}
+        )
+    assert response.status_code == 422, response.text
+    (error,) = [r["error"] for r in response.json()["rejected"]]
+    assert "specversion" in error
+    (kept,) = store.rejections()
+    assert "9999-12-31T23:59:59-01:00" in kept.raw and "specversion" in kept.reason
+    with_version = cloudevent("ce-year-10000") | {"time": "9999-12-31T23:59:59-01:00"}
+    async with serving(make_app(store)) as client:
+        late = await client.post(
+            "/v1/events", json=with_version, headers=BEARER | {"Content-Type": "application/cloudevents+json"}
+        )
+    assert late.status_code == 422 and "not representable" in late.json()["rejected"][0]["error"], late.text
+
+
+def test_only_a_database_that_does_not_answer_asks_the_sender_to_retry() -> None:
+    assert unavailable(exc.OperationalError("SELECT 1", {}, Exception("connection refused")))
+    assert unavailable(exc.InterfaceError("SELECT 1", {}, Exception("connection closed")))
+    assert unavailable(exc.TimeoutError("QueuePool limit reached"))
+    assert not unavailable(exc.IntegrityError("INSERT", {}, Exception("duplicate key")))
+    assert not unavailable(exc.DataError("INSERT", {}, Exception("value too long")))
+    assert not unavailable(ValueError("a bug of ours"))
