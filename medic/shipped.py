@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parent
 # Resolved against the package folder only: medic/policies is a link in a checkout, and its target
 # must not stand in for the package in the paths we print.
 SHIPPED_POLICY = PACKAGE / "policies" / "default.yaml"
+ALERT_MAP = PACKAGE / "data" / "alertmanager.yaml"  # POST /v1/alertmanager: alerts to fault kinds
 TRAIN_SCRIPT = PACKAGE / "training" / "train.py"
 SLURM_HOOKS = PACKAGE / "slurm_hooks"
 SYSTEMD_UNITS = PACKAGE / "systemd"

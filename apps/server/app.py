@@ -1,4 +1,4 @@
-"""The ingest app: POST /v1/events, POST /v1/sentry, GET /healthz, GET /metrics (docs/serve.md).
+"""The ingest app: POST /v1/events, /v1/sentry, /v1/alertmanager; GET /healthz, /metrics (docs/serve.md).
 
 An event is committed to the store before its request is answered; only then is it handed
 to `on_accepted`, one batch at a time and in order, by a task that outlives the request.
@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel
 
-from medic.apps.server import sentry
+from medic.alerts import AlertMap, shipped_map
+from medic.apps.server import alertmanager, sentry
 from medic.apps.server.auth import SIGNATURE_HEADER, Auth
 from medic.apps.server.cloudevents import binary_headers
 from medic.apps.server.decode import Decoded, Problem, decode
@@ -126,6 +127,7 @@ def create_app(
     sentry_secret: bytes | None = None,
     sentry_options: sentry.Options | None = None,
     on_start: OnStart | None = None,
+    alert_map: AlertMap | None = None,
 ) -> FastAPI:
     """The app. `on_start` runs once at startup, beside the backlog's hand-on (the warm path
     resumes there the incidents a previous process left unfinished)."""
@@ -199,17 +201,44 @@ def create_app(
         )
         return _answered(done)
 
-    def _answered(done: Ingested) -> Response:
+    def _answered(done: Ingested, ignored: list[alertmanager.Ignored] | None = None) -> Response:
         metrics.received.inc(done.received)
         metrics.stored.inc(len(done.stored))
         metrics.duplicates.inc(len(done.reply.duplicates))
         metrics.rejected.inc(done.rejected)
         if done.stored and relay is not None:
             relay.send(done.stored)
-        status = 422 if done.rejected else 200
-        return JSONResponse(done.reply.model_dump(exclude_none=True), status_code=status)
+        reply = done.reply.model_dump(exclude_none=True)
+        if ignored:
+            reply["ignored"] = [i.model_dump() for i in ignored]
+        # 202: an authentic body that held nothing to act on (as /v1/sentry answers it).
+        status = 422 if done.rejected else 202 if ignored and not done.received else 200
+        return JSONResponse(reply, status_code=status)
 
     ingest_route("/v1/events", post_events)
+
+    mapping = alert_map if alert_map is not None else shipped_map()
+
+    def take_alerts(body: bytes, remote: str) -> tuple[Ingested, list[alertmanager.Ignored]]:
+        translated = alertmanager.translate(body, remote, mapping)
+        return commit(store, translated.decoded, writes), translated.ignored
+
+    async def post_alertmanager(request: Request) -> Response:
+        authorization = request.headers.get("authorization")
+        if not (auth.bearer_ok(authorization) or auth.basic_ok(authorization)):
+            raise _Refused(
+                401,
+                "a bearer token, or basic auth with a token as password, is required",
+                {"WWW-Authenticate": alertmanager.CHALLENGE},
+            )
+        body = await _read_body(request, max_body_bytes)
+        _refuse_encoded(request)
+        done, ignored = await anyio.to_thread.run_sync(take_alerts, body, _remote(request))
+        for _ in ignored:
+            metrics.alertmanager_ignored.labels(reason=alertmanager.RESOLVED).inc()
+        return _answered(done, ignored)
+
+    ingest_route("/v1/alertmanager", post_alertmanager)
 
     if sentry_secret:
         secret, options = sentry_secret, sentry_options or sentry.Options()

@@ -1,7 +1,9 @@
-"""Who may post events: a bearer token, or an HMAC-SHA256 signature of the exact body."""
+"""Who may post events: a bearer token (or, where a sender has only basic auth, a token as its
+password), or an HMAC-SHA256 signature of the exact body."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
@@ -38,6 +40,19 @@ class Auth:
         offered = _digest(token.strip())
         # Compare against every token, never stopping early, so timing says nothing about which.
         return any([hmac.compare_digest(offered, known) for known in self.token_digests])
+
+    def basic_ok(self, authorization: str | None) -> bool:
+        """HTTP basic auth whose password is an ingest token, whatever the user name: what a sender
+        that cannot set a bearer token sends (Alertmanager's `http_config.basic_auth`)."""
+        scheme, _, encoded = (authorization or "").partition(" ")
+        if scheme.lower() != "basic":
+            return False
+        try:
+            decoded = base64.b64decode(encoded.strip(), validate=True).decode("utf-8")
+        except (ValueError, UnicodeDecodeError):
+            return False
+        _user, colon, password = decoded.partition(":")
+        return bool(colon) and self.bearer_ok(f"Bearer {password}")
 
     def signature_ok(self, signature: str | None, body: bytes) -> bool:
         if self.hmac_secret is None or not signature:

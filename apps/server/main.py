@@ -15,11 +15,13 @@ from types import FrameType
 
 import uvicorn
 
+from medic.alerts import load_alert_map
 from medic.apps.server import DEFAULT_HOST, DEFAULT_PORT, redact, sentry
 from medic.apps.server.app import OnAccepted, OnStart, create_app
 from medic.apps.server.auth import HMAC_SECRET_ENV, TOKENS_ENV, credentials_from_env
 from medic.apps.server.slack import SlackCallbacks
 from medic.config import load_settings
+from medic.policy import PolicyError
 from medic.store import Store
 
 
@@ -40,14 +42,15 @@ def serve(
     on_stop: Callable[[], object] | None = None,
 ) -> None:
     """Serve until interrupted. The store is MEDIC_DATABASE_URL; credentials MEDIC_INGEST_*, and
-    MEDIC_SENTRY_CLIENT_SECRET for `POST /v1/sentry`. `on_stop` runs when a signal stops it, just
-    before the process ends."""
+    MEDIC_SENTRY_CLIENT_SECRET for `POST /v1/sentry`; MEDIC_ALERT_MAP extends `POST /v1/alertmanager`'s
+    mapping. `on_stop` runs when a signal stops it, just before the process ends."""
     env = os.environ if env is None else env
     tokens, secret = credentials_from_env(env)
     sentry_secret = sentry.secret_from_env(env)
     try:
         sentry_options = sentry.Options.from_env(env)
-    except ValueError as error:
+        alert_map = load_alert_map(env)  # a broken MEDIC_ALERT_MAP stops the start, at its file:line
+    except (ValueError, PolicyError) as error:
         raise ServeConfigError(str(error)) from None
     if not tokens and secret is None and sentry_secret is None:
         # An open ingest endpoint would let anyone trigger node reboots: refuse to start.
@@ -69,6 +72,7 @@ def serve(
             sentry_secret=sentry_secret,
             sentry_options=sentry_options,
             on_start=on_start,
+            alert_map=alert_map,
         )
         config = uvicorn.Config(
             app,

@@ -182,9 +182,15 @@ class IngestMetrics:
             labelnames=["reason"],
             registry=self.registry,
         )
+        self.alertmanager_ignored = Counter(
+            "medic_alertmanager_ignored",
+            "Alerts posted to /v1/alertmanager and not acted on: resolved (recorded, nothing undone).",
+            labelnames=["reason"],
+            registry=self.registry,
+        )
         self.latency = Histogram(
             "medic_ingest_seconds",
-            "Time to answer POST /v1/events or /v1/sentry, by HTTP status.",
+            "Time to answer POST /v1/events, /v1/sentry or /v1/alertmanager, by HTTP status.",
             labelnames=["code"],
             registry=self.registry,
         )

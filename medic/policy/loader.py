@@ -167,6 +167,14 @@ class PolicyProblem:
         return f"{self.file}:{self.line}:{self.column}: {self.message}"
 
 
+class Located(ValueError):
+    """A model's own check that knows where its problem is: the loader reports it at `loc`'s line."""
+
+    def __init__(self, loc: tuple[int | str, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
 class PolicyError(PermanentError):
     """Raised when a policy (or config) file does not validate, with one problem per file:line:column."""
 
@@ -223,6 +231,8 @@ def parse_yaml(text: str, name: str, model: type[M], expected: str) -> M:
             cause = item.get("ctx", {}).get("error")
             if isinstance(cause, DuplicateRuleId):
                 loc = ("rules", cause.index, "id")  # the policy-level check knows which rule
+            elif isinstance(cause, Located):
+                loc = cause.loc
             node = _node_at(root, loc, at_key=item["type"] == "extra_forbidden")
             where = ".".join(map(str, loc)) or "policy"
             message = item["msg"].removeprefix("Value error, ")
@@ -238,13 +248,18 @@ def parse_yaml(text: str, name: str, model: type[M], expected: str) -> M:
         raise PolicyError(problems) from None
 
 
-def load_policy(path: Path | str) -> LoadedPolicy:
-    path = Path(path)
+def read_limited(path: Path) -> bytes:
+    """A policy-like file's bytes; unreadable is a PolicyError naming it."""
     try:
         with path.open("rb") as handle:
-            raw = handle.read(MAX_POLICY_BYTES + 1)  # a huge file is refused, not read whole
+            return handle.read(MAX_POLICY_BYTES + 1)  # a huge file is refused, not read whole
     except OSError as error:
         raise PolicyError([PolicyProblem(str(path), 0, 0, f"cannot read: {error.strerror}")]) from None
+
+
+def load_policy(path: Path | str) -> LoadedPolicy:
+    path = Path(path)
+    raw = read_limited(path)
     return LoadedPolicy(_parsed(raw, str(path)), str(path), hashlib.sha256(raw).hexdigest())
 
 

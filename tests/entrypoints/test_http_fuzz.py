@@ -9,6 +9,7 @@ request leaves the store as it was.
 
 from __future__ import annotations
 
+import base64
 import gzip
 import hashlib
 import hmac
@@ -44,6 +45,9 @@ SENTRY_SECRET = b"fuzz-sentry-secret"
 SLACK_SECRET = "fuzz-slack-secret"
 MAX_BODY = 8 * 1024  # small, so that hypothesis reaches the 413 too
 SENTRY_TEMPLATE = json.loads((TEST_FIXTURES / "sentry" / "event_alert_nan.json").read_text(encoding="utf-8"))
+ALERTMANAGER_TEMPLATE = json.loads(
+    (TEST_FIXTURES / "alertmanager" / "firing_xid.json").read_text(encoding="utf-8")
+)
 # About 1,000 requests in all: under a minute on 2 cores.
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -363,6 +367,52 @@ def test_fuzz_post_sentry(medic: Medic, body: bytes, signed: str, resource: str,
         assert reply["accepted"] + len(reply["duplicates"]) + len(reply["rejected"]) == 1
 
 
+# --- POST /v1/alertmanager -----------------------------------------------------------------
+
+
+@st.composite
+def alertmanager_payload(draw: st.DrawFn) -> bytes:
+    """Alertmanager's webhook with parts of it and of its alert replaced by anything, or bytes."""
+    payload = json.loads(json.dumps(ALERTMANAGER_TEMPLATE))
+    alert = payload["alerts"][0]
+    alert["status"] = draw(st.sampled_from(["firing", "resolved"]))
+    targets: list[tuple[dict[str, Any], str]] = [(payload, k) for k in ("version", "alerts", "status")]
+    targets += [(alert, k) for k in ("labels", "annotations", "startsAt", "fingerprint")]
+    targets += [(alert["labels"], k) for k in ("dcgm_field", "Hostname", "instance", "gpu", "alertname")]
+    targets += [(alert["annotations"], "value")]
+    for parent, key in draw(st.lists(st.sampled_from(targets), max_size=2)):
+        parent[key] = draw(JSON_VALUES)
+    text = json.dumps(payload, ensure_ascii=draw(st.booleans()))
+    return draw(st.one_of(st.just(text.encode("utf-8", "surrogatepass")), st.binary(max_size=200)))
+
+
+@FUZZ
+@given(body=alertmanager_payload(), credentials=st.sampled_from(["bearer", "basic", "none", "junk"]))
+def test_fuzz_post_alertmanager(medic: Medic, body: bytes, credentials: str) -> None:
+    authorization = {
+        "bearer": f"Bearer {TOKEN}",
+        "basic": "Basic " + base64.b64encode(f"am:{TOKEN}".encode()).decode(),
+        "junk": "Basic " + base64.b64encode(b"am:guess").decode(),
+    }.get(credentials)
+    headers = {"Content-Type": "application/json"} | (
+        {"Authorization": authorization} if authorization else {}
+    )
+    before = medic.tally()
+    response = medic.post("/v1/alertmanager", content=body, headers=wire(headers))
+    answered(response)
+    change = tuple(a - b for a, b in zip(medic.tally(), before, strict=True))
+    if credentials in ("none", "junk"):
+        assert (response.status_code, change) == (401, (0, 0, 0))
+        return
+    reply = response.json()
+    if response.status_code == 413:
+        assert change == (0, 0, 0)
+        return
+    rejected = reply.get("rejected_total", len(reply["rejected"]))
+    assert change == (reply["accepted"], reply.get("dead_lettered", rejected), rejected)
+    assert response.status_code == (422 if rejected else 202 if reply.get("ignored") else 200)
+
+
 # --- POST /v1/slack/interactions ------------------------------------------------------------
 
 
@@ -431,7 +481,17 @@ def test_fuzz_slack_interactions(medic: Medic, body: bytes, signed: str, junk: s
 
 # --- any method, any path -------------------------------------------------------------------
 
-PATHS = ["/v1/events", "/v1/sentry", "/v1/slack/interactions", "/healthz", "/metrics", "/", "/v1", "/docs"]
+PATHS = [
+    "/v1/events",
+    "/v1/sentry",
+    "/v1/alertmanager",
+    "/v1/slack/interactions",
+    "/healthz",
+    "/metrics",
+    "/",
+    "/v1",
+    "/docs",
+]
 
 
 @FUZZ
