@@ -31,6 +31,12 @@ if ! command -v chromium >/dev/null 2>&1; then
   apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium
 fi
 
+# Prometheus and Alertmanager: promtool checks and unit-tests the shipped alert rules
+# (deployments/prometheus/), and the alert path runs through real ones.
+if ! command -v promtool >/dev/null 2>&1; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus prometheus-alertmanager
+fi
+
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
