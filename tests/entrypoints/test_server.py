@@ -6,14 +6,13 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from threading import Barrier
@@ -26,6 +25,7 @@ from checkout import TEST_FIXTURES
 from factories import T0, event_dict, fault_event, incident
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
+from serve_process import TOKEN, free_port, server_process
 from sqlalchemy import create_engine, exc, text, update
 from typer.testing import CliRunner
 
@@ -43,7 +43,6 @@ from medic.store.engine import unavailable
 from medic.store.rejections import DEAD_LETTER_PER_MINUTE, DeadLettered
 from medic.store.tables import EventRecord, RejectedRecord
 
-TOKEN = "s3cret-token"
 SECRET = b"hmac-secret"
 REMOTE = "10.0.0.7"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
@@ -853,47 +852,6 @@ async def test_metrics_histogram_of_decision_delays(sqlite_store: Store) -> None
 
 
 # --- a real server process: kill -9 after the reply, `medic emit` ------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextmanager
-def server_process(
-    database: Path, port: int, extra_env: dict[str, str] | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """`medic serve` (the CLI function under typer) in its own process."""
-    env = os.environ | {"MEDIC_DATABASE_URL": f"sqlite:///{database}", "MEDIC_INGEST_TOKENS": TOKEN}
-    env |= extra_env or {}
-    code = "import typer; from medic.apps.cli.serve import serve; typer.run(serve)"
-    process = subprocess.Popen(
-        [sys.executable, "-c", code, "--port", str(port), "--log-level", "warning"],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            assert process.poll() is None, f"the server exited with {process.returncode}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline, "the server did not start"
-                time.sleep(0.05)
-        yield process
-    finally:
-        if process.poll() is None:
-            process.terminate()  # not SIGKILL: its embedded Prefect server would outlive it
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        process.wait(timeout=10)
 
 
 def test_acknowledged_events_survive_kill_9_and_a_restart(tmp_path: Path) -> None:
