@@ -23,13 +23,14 @@ from medic.incidents import Scope
 from medic.policy import Action, Decision
 from medic.policy.model import DESTRUCTIVE
 from medic.statuses import StepStatus
+from medic.store.metrics import CONTAIN_STAGE
 from medic.tasks.evidence import evaluate
 from medic.tasks.node_ops import drain_incident, resume_node, take_out_of_service
 from medic.tasks.runtime import Runtime
 from medic.tasks.stage import stage
 
 CONTAINED = DESTRUCTIVE | {Action.DRAIN}
-STAGE = "contain"
+STAGE = CONTAIN_STAGE  # its delays are /metrics' medic_contain_seconds (medic/store/metrics.py)
 # The slot's lease names a holder; a containment has no flow run yet, so it holds the slot under
 # an id derived from its incident (the same on every replica, which changes nothing: one slot).
 _HOLDERS = uuid.UUID("6f1d9a52-3c8e-4f0b-9d47-2b8e1c5a7d31")

@@ -29,9 +29,12 @@ class StoreCollector(Collector):
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        up, incidents, actions, rejected, kept, held_for = self._families()
+        up, incidents, actions, rejected, kept, held_for, breaker, blocks = self._families()
         try:
             holds = self.store.held_nodes()
+            tripped = self.store.open_breaker_record()
+            blocked = self.store.guardrail_blocks()
+            contained = self.store.contain_delays()
             open_incidents = self.store.open_incident_count()
             action_counts = self.store.action_counts()
             delays = self.store.decision_delays()
@@ -58,7 +61,21 @@ class StoreCollector(Collector):
             held_for.add_metric(
                 [hold.node, hold.incident, hold.action, hold.incident_status or "unknown"], since
             )
-        yield from (up, incidents, actions, rejected, kept, held_for, _decision_histogram(delays))
+        breaker.add_metric([], 0 if tripped is None else 1)
+        for guardrail, count in sorted(blocked.items()):
+            blocks.add_metric([guardrail], count)
+        yield from (up, incidents, actions, rejected, kept, held_for, breaker, blocks)
+        yield _histogram(
+            "medic_decision_seconds",
+            "Per incident, from its first event's arrival to its first policy decision (from the store).",
+            delays,
+        )
+        yield _histogram(
+            "medic_contain_seconds",
+            "Per contained incident, from its first event's arrival to its node drained by the containment "
+            "(from the store).",
+            contained,
+        )
 
     @staticmethod
     def _families() -> tuple[
@@ -68,6 +85,8 @@ class StoreCollector(Collector):
         CounterMetricFamily,
         CounterMetricFamily,
         GaugeMetricFamily,
+        GaugeMetricFamily,
+        CounterMetricFamily,
     ]:
         return (
             GaugeMetricFamily("medic_store_up", "1 if the store answered this scrape, else 0."),
@@ -91,6 +110,15 @@ class StoreCollector(Collector):
                 "seconds since, by the incident that holds it and that incident's status.",
                 labels=["node", "incident", "action", "incident_status"],
             ),
+            GaugeMetricFamily(
+                "medic_breaker_open",
+                "1 while the circuit breaker is open (no node is touched until a human closes it), else 0.",
+            ),
+            CounterMetricFamily(
+                "medic_guardrail_blocks",
+                "Incidents a guardrail stopped an action of, by guardrail (their decisions name it).",
+                labels=["guardrail"],
+            ),
         )
 
 
@@ -98,13 +126,10 @@ class StoreCollector(Collector):
 DECISION_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
 
 
-def _decision_histogram(delays: list[float]) -> HistogramMetricFamily:
+def _histogram(name: str, documentation: str, delays: list[float]) -> HistogramMetricFamily:
     buckets = [(str(bound), sum(1 for d in delays if d <= bound)) for bound in DECISION_BUCKETS]
     buckets.append(("+Inf", len(delays)))
-    family = HistogramMetricFamily(
-        "medic_decision_seconds",
-        "Per incident, from its first event's arrival to its first policy decision (from the store).",
-    )
+    family = HistogramMetricFamily(name, documentation)
     family.add_metric([], buckets, sum(delays))
     return family
 

@@ -36,7 +36,7 @@ from medic.apps.server.main import children_of
 from medic.events import FaultEvent
 from medic.intake import DEAD_LETTER_SAMPLE, Rejection, RejectionSample
 from medic.policy import Decision
-from medic.statuses import ACTIVE_INCIDENT_STATUSES
+from medic.statuses import ACTIVE_INCIDENT_STATUSES, StepStatus
 from medic.store import Store, utcnow
 from medic.store import rejections as dead_letter_module
 from medic.store.engine import unavailable
@@ -849,6 +849,41 @@ async def test_metrics_histogram_of_decision_delays(sqlite_store: Store) -> None
     assert (buckets["30.0"], buckets["60.0"], buckets["+Inf"]) == (0, 1, 1)
     assert values[("medic_decision_seconds_count", ())] == 1
     assert 40 <= values[("medic_decision_seconds_sum", ())] < 100
+
+
+@pytest.mark.anyio
+async def test_metrics_say_the_breaker_the_guardrails_blocks_and_the_time_to_contain(
+    sqlite_store: Store,
+) -> None:
+    """The figures deployments/prometheus/gpu-medic.rules.yml alerts on: breaker open, guardrail blocks,
+    time to contain."""
+    async with serving(make_app(sqlite_store)) as client:
+        before = samples((await client.get("/metrics")).text)
+    assert before[("medic_breaker_open", ())] == 0
+    assert before[("medic_contain_seconds_count", ())] == 0
+
+    contained = incident(fault("c1"), id="inc-c", node="gpu-001")
+    sqlite_store.record_events([contained], received_at=utcnow() - timedelta(seconds=2))
+    sqlite_store.open_incident(contained)
+    sqlite_store.add_step("inc-c", "contain", utcnow(), StepStatus.OK, "drained gpu-001")
+    for n in (1, 2):  # two decisions of one incident stopped by one guardrail: one incident blocked
+        blocked = Decision(
+            incident="inc-c",
+            classification="hardware",
+            action="escalate",
+            rule=f"r{n}",
+            reason="-",
+            guardrail="circuit_breaker",
+            blocked_action="reboot",
+        )
+        sqlite_store.add_decision(blocked, "p.yaml")
+    sqlite_store.open_breaker("3 nodes taken out within 5 minutes", incident_id="inc-c")
+    async with serving(make_app(sqlite_store)) as client:
+        after = samples((await client.get("/metrics")).text)
+    assert after[("medic_breaker_open", ())] == 1
+    assert after[("medic_guardrail_blocks_total", (("guardrail", "circuit_breaker"),))] == 1
+    assert after[("medic_contain_seconds_count", ())] == 1
+    assert 2 <= after[("medic_contain_seconds_sum", ())] < 60
 
 
 # --- a real server process: kill -9 after the reply, `medic emit` ------------------------------
