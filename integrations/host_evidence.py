@@ -59,18 +59,6 @@ def gpu_lines(log: str, max_lines: int = KERNEL_LOG_LINES, max_bytes: int = KERN
     return "".join(f"{line}\n" for line in reversed(text))
 
 
-def _failed(what: str, done: Completed, limit_s: float) -> str | None:
-    """Why a part's command gave nothing to keep, or None when it ran to the end."""
-    if done.launch_error:
-        return f"{what}: could not start: {done.launch_error}"
-    if done.timed_out:
-        return f"{what}: did not finish within {limit_s:g} s"
-    if done.returncode:
-        tail = " ".join(done.stderr.split())[-200:] or "no message"
-        return f"{what}: exited {done.returncode}: {tail}"
-    return None
-
-
 class NodeHostEvidence:
     def __init__(self, runner: NodeRunner) -> None:
         self.runner = runner
@@ -96,7 +84,7 @@ class NodeHostEvidence:
                 missing.append(f"{what}: not started, the {timeout_s:g} s for the evidence were spent")
                 return None
             done = self.runner.run(node, argv, limit)
-            why = _failed(what, done, limit)
+            why = done.failure(what, limit)
             if why:
                 missing.append(why)
                 return None

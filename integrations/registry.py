@@ -7,6 +7,7 @@
 | diagnostics | MEDIC_DIAGNOSTICS | sim, dcgm                                       |
 | checkpoints | MEDIC_CHECKPOINTS | sim, a directory of DCP checkpoints, s3://...   |
 | notifier    | MEDIC_NOTIFIER    | slack (implied by SLACK_BOT_TOKEN), console, sim |
+| GPU reset   | MEDIC_GPU_RESET   | nvidia-smi, none, sim (optional; see below)      |
 
 Reservations (for sweeps, docs/sweeps.md) come with the scheduler: `Backends.reservations` is the
 scheduler where it implements `Reservations`, else None.
@@ -14,6 +15,11 @@ scheduler where it implements `Reservations`, else None.
 The deep checks' backends (the NVML probe, the nccl-tests all-reduce) and the host evidence kept
 before a reboot or replacement (docs/host-evidence.md) follow the diagnostics role: they reach the
 nodes the way DCGM does, or are simulated with it.
+
+The GPU reset (`GpuReset`, docs/gpu-reset.md) is optional: `nvidia-smi` resets a GPU in place on the
+node, through DCGM's runner; `none` leaves `reset_gpu` to the provider, which reboots the node on every
+real one. Unset, it is simulated beside a simulated provider and `none` beside a real one, so a site
+turns real resets on by saying so.
 
 No role falls back to the simulation: one that is not configured stops `from_settings` with a
 `BackendNotConfiguredError` naming every such role and what to set. `MEDIC_BACKENDS=sim` is
@@ -37,6 +43,7 @@ from medic.integrations.sim.checkpoints import SimCheckpoints
 from medic.integrations.sim.deep_checks import SimAllReduce, SimInstanceProbe, SimNicLoopback
 from medic.integrations.sim.diagnostics import SimDiagnostics
 from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.sim.gpu_reset import SimGpuReset
 from medic.integrations.sim.host_evidence import SimHostEvidence
 from medic.integrations.sim.notifier import RecordingNotifier
 from medic.integrations.sim.provider import SimProvider
@@ -45,6 +52,7 @@ from medic.protocols import (
     AllReduceTest,
     CheckpointStore,
     Diagnostics,
+    GpuReset,
     HostEvidence,
     InstanceProbe,
     NicLoopbackTest,
@@ -97,6 +105,8 @@ class Backends:
     all_reduce: AllReduceTest
     host_evidence: HostEvidence
     nic_loopback: NicLoopbackTest
+    # None: `reset_gpu` is the provider's own (a reboot on every real provider).
+    gpu_reset: GpuReset | None = None
 
     @property
     def reservations(self) -> Reservations | None:
@@ -117,6 +127,7 @@ def simulated(fleet: SimFleet | None = None) -> tuple[Backends, SimFleet]:
         all_reduce=SimAllReduce(fleet),
         host_evidence=SimHostEvidence(fleet),
         nic_loopback=SimNicLoopback(fleet),
+        gpu_reset=SimGpuReset(fleet),
     )
     return backends, fleet
 
@@ -228,6 +239,28 @@ def _choose(
         raise BackendError(f"{choice.variable}={chosen}: {error}") from None
 
 
+GPU_RESET_VAR = "MEDIC_GPU_RESET"
+GPU_RESETS = ("nvidia-smi", "none", "sim")
+
+
+def _gpu_reset(provider: Choice, env: Env, simulated_one: GpuReset | None) -> GpuReset | None:
+    """MEDIC_GPU_RESET; unset: simulated beside a simulated provider, else the provider's own."""
+    chosen = env.get(GPU_RESET_VAR) or ("sim" if provider.value == "sim" else "none")
+    match chosen:
+        case "sim":
+            return simulated_one
+        case "none":
+            return None
+        case "nvidia-smi":
+            from medic.integrations.gpu_reset import NvidiaSmiGpuReset
+
+            try:
+                return NvidiaSmiGpuReset.from_env(env)
+            except ValueError as error:  # the runner's settings, named by it
+                raise BackendError(f"{GPU_RESET_VAR}=nvidia-smi: {error}") from None
+    raise BackendError(f"{GPU_RESET_VAR}={chosen!r} is not available; choose one of {', '.join(GPU_RESETS)}")
+
+
 NOTIFIERS = ("slack", "console", "sim")
 
 
@@ -300,4 +333,5 @@ def from_settings(settings: Settings, env: Env | None = None) -> Backends:
         all_reduce=all_reduce,
         host_evidence=_host_evidence(chosen["diagnostics"], env, sim),
         nic_loopback=_nic_loopback(chosen["diagnostics"], env, sim),
+        gpu_reset=_gpu_reset(chosen["provider"], env, sim.gpu_reset),
     )

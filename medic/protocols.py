@@ -101,6 +101,26 @@ class NodeProvider(Protocol):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class GpuResetOutcome:
+    """What a GPU reset did. `done` only when the reset was confirmed (the tool said so for every GPU
+    it was asked to reset, and they answer again); anything else is not done, and `detail` says why:
+    the act stage then reboots the node instead and says so."""
+
+    done: bool
+    detail: str
+    gpus: tuple[int, ...] = ()  # the GPUs the reset was asked for (all of the node's where that was needed)
+
+
+@runtime_checkable
+class GpuReset(Protocol):
+    """Resetting a node's GPU in place, on a node already drained with its jobs off: a reset takes
+    seconds where a reboot takes minutes (docs/gpu-reset.md). `gpu` None: every GPU of the node.
+    Never raises for a reset that could not be done: the outcome says why."""
+
+    def reset(self, node: str, gpu: int | None) -> GpuResetOutcome: ...
+
+
 @runtime_checkable
 class BootClock(Protocol):
     """Backends that can tell when a node last booted (Slurm's BootTime): the witness that settles a

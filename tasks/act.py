@@ -138,10 +138,25 @@ def _call_provider(
 def _provider_call(rt: Runtime, node: str, gpu: int | None, action: Action) -> str:
     provider = rt.backends.provider
     if action is Action.RESET_GPU:
-        return provider.reset_gpu(node, gpu)
+        return _reset_or_reboot(rt, node, gpu)
     if action is Action.REBOOT:
         return provider.reboot(node)
     return provider.replace(node)
+
+
+def _reset_or_reboot(rt: Runtime, node: str, gpu: int | None) -> str:
+    """The GPU reset in place where one is configured; a reboot when it is not, or when the reset could
+    not be done or confirmed, saying why (docs/gpu-reset.md). The reboot is this action's fallback, not a
+    second action: one intent covers both, so a crash between them is settled or escalated, never
+    repeated blind (tasks/reconcile.py)."""
+    provider = rt.backends.provider
+    resetter = rt.backends.gpu_reset
+    if resetter is None:
+        return provider.reset_gpu(node, gpu)
+    outcome = resetter.reset(node, gpu)
+    if outcome.done:
+        return outcome.detail
+    return f"GPU reset not done ({outcome.detail}); rebooting instead: {provider.reboot(node)}"
 
 
 def _not_called(rt: Runtime, key: str, node: str, action: Action, drained: str, off: JobsOff) -> ActOutcome:

@@ -37,6 +37,10 @@ def reconcile_intents(rt: Runtime, incidents: Collection[str] | None = None) -> 
         except Exception as error:  # one backend failing to answer leaves that intent, not the others
             log.warning("could not settle %s: %s: %s", action.key, type(error).__name__, error)
             continue
+        if answer is not None and not answer.done and action.action == "reset_gpu" and rt.backends.gpu_reset:
+            # A reset in place leaves no boot behind: no boot proves only that no fallback reboot
+            # happened, not that the reset did not.
+            answer = None
         if answer is None:
             continue
         if answer.done:

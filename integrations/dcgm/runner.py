@@ -41,6 +41,17 @@ class Completed:
     duration_s: float = 0.0
     launch_error: str | None = None  # the command never started (missing program, wrong node)
 
+    def failure(self, what: str, limit_s: float) -> str | None:
+        """Why `what` gave nothing to use, or None when it ran to the end and exited 0."""
+        if self.launch_error:
+            return f"{what}: could not start: {self.launch_error}"
+        if self.timed_out:
+            return f"{what}: did not finish within {limit_s:g} s"
+        if self.returncode:
+            tail = " ".join((self.stderr or self.stdout).split())[-200:] or "no message"
+            return f"{what}: exited {self.returncode}: {tail}"
+        return None
+
 
 @runtime_checkable
 class NodeRunner(Protocol):

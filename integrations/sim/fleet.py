@@ -105,6 +105,7 @@ class SimFleet:
     hardware: dict[str, SimHardware] = field(default_factory=dict)
     replacements: dict[str, SimHardware] = field(default_factory=dict)
     reservations: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a sweep's: name -> nodes
+    reset_refusals: dict[str, str] = field(default_factory=dict)  # node -> why its GPU reset is refused
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     @classmethod

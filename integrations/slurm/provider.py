@@ -7,7 +7,8 @@ Conventions (`convention=`, env MEDIC_SLURM_ACTIONS):
   drained after (measured on 22.05), so a node GPU Medic drained stays out until verification resumes
   it. `resume_after_reboot=True` uses `scontrol reboot ASAP nextstate=RESUME` instead: Slurm itself
   returns the node to service when it is back, before any verification. Slurm has no GPU reset, so
-  reset_gpu reboots the node (resetting every GPU) and says so; Slurm cannot replace hardware, so
+  reset_gpu reboots the node (resetting every GPU) and says so, unless a GPU reset in place is
+  configured beside it (MEDIC_GPU_RESET=nvidia-smi, docs/gpu-reset.md), which then calls only reboot; Slurm cannot replace hardware, so
   replace raises UnsupportedSlurmActionError (a SlurmError) and the incident goes to a human.
 - "hyperpod": reboot and reset_gpu → `scontrol update nodename=N state=fail reason="Action:Reboot"`,
   replace → `reason="Action:Replace"`; HyperPod's agent does the work and returns the node to service

@@ -18,8 +18,11 @@ from medic.config import load_settings
 from medic.errors import PermanentError
 from medic.integrations import registry
 from medic.integrations.console_notifier import ConsoleNotifier
+from medic.integrations.dcgm.runner import SshRunner
+from medic.integrations.gpu_reset import NvidiaSmiGpuReset
 from medic.integrations.registry import BackendError, BackendNotConfiguredError
 from medic.integrations.sim.fleet import SimFleet, UnknownSimNodeError
+from medic.integrations.sim.gpu_reset import SimGpuReset
 from medic.integrations.sim.notifier import RecordingNotifier
 from medic.integrations.sim.scheduler import SimScheduler
 from medic.policy import PolicyError
@@ -130,6 +133,25 @@ def test_the_notifier_is_slack_with_a_token_console_or_sim_when_chosen(tmp_path:
         BackendError, match="SLACK_BOT_TOKEN=slack: MEDIC_ARTIFACT_URL='files\\.example/medic'"
     ):
         registry.from_settings(load_settings({**base, "SLACK_BOT_TOKEN": "xoxb-1", **links}))
+
+
+def test_the_gpu_reset_is_simulated_beside_a_simulated_provider_and_real_only_when_chosen(
+    tmp_path: Path,
+) -> None:
+    base = {"MEDIC_HOME": str(tmp_path), "MEDIC_BACKENDS": "sim"}
+    assert isinstance(registry.from_settings(load_settings(base)).gpu_reset, SimGpuReset)
+    slurm = {**base, "MEDIC_PROVIDER": "slurm"}
+    assert registry.from_settings(load_settings(slurm)).gpu_reset is None  # the provider's reboot
+    chosen = {**slurm, "MEDIC_GPU_RESET": "nvidia-smi"}
+    resetter = registry.from_settings(load_settings(chosen)).gpu_reset
+    assert isinstance(resetter, NvidiaSmiGpuReset) and isinstance(resetter.runner, SshRunner)
+    with pytest.raises(BackendError, match="MEDIC_GPU_RESET=nvidia-smi: MEDIC_DCGM_RUNNER='rsh'"):
+        registry.from_settings(load_settings({**chosen, "MEDIC_DCGM_RUNNER": "rsh"}))
+    # A GPU is reset on a drained node, where srun gets no allocation.
+    with pytest.raises(BackendError, match="MEDIC_DCGM_RUNNER=srun cannot reach a drained node"):
+        registry.from_settings(load_settings({**chosen, "MEDIC_DCGM_RUNNER": "srun"}))
+    with pytest.raises(BackendError, match="MEDIC_GPU_RESET='ipmi' is not available; choose one of"):
+        registry.from_settings(load_settings({**slurm, "MEDIC_GPU_RESET": "ipmi"}))
 
 
 def test_the_console_notifier_writes_every_message() -> None:
