@@ -129,7 +129,13 @@ def test_application_fault_leaves_node_alone_and_tells_owner(runtime: Runtime, t
     assert isinstance(notifier, RecordingNotifier)
     (thread,) = notifier.threads.values()
     assert thread.message.fields["owner"] == "alice"
-    assert any("checkpoint" in r for r in thread.message.recommend)
+    assert any("restart in place from its last checkpoint" in r for r in thread.message.recommend)
+    # Its node stays, so the job is not requeued (a fresh launch elsewhere): it restarts where it is.
+    assert outcome.summary.endswith(
+        "job llm not requeued: gpu-node-2 stays in service, so a crash restarts in place from the last "
+        "checkpoint (torchrun --max-restarts)"
+    )
+    assert training.jobs["llm"].restarts == 0 and not [c for c in training.calls if c[1] == "requeue"]
 
 
 def test_same_fault_twice_acts_once(runtime: Runtime, training: SimFleet) -> None:
