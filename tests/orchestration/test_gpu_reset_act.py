@@ -57,7 +57,7 @@ def test_the_gpu_is_reset_in_place_and_the_node_never_rebooted(runtime: Runtime,
     assert [a for n, a in fleet.calls if n == NODE and a in ("reset_gpu", "reboot")] == ["reset_gpu"]
     assert (fleet.node(NODE).gpu_resets, fleet.node(NODE).boots) == (1, 0)
     (outcome,) = dispatch.outcomes
-    assert outcome.verified
+    assert outcome.verified is not None and outcome.verified.passed
 
 
 def test_a_reset_that_is_not_done_becomes_a_reboot_that_says_why(runtime: Runtime, fleet: SimFleet) -> None:
@@ -70,7 +70,7 @@ def test_a_reset_that_is_not_done_becomes_a_reboot_that_says_why(runtime: Runtim
     )
     assert (fleet.node(NODE).gpu_resets, fleet.node(NODE).boots) == (0, 1)
     (outcome,) = dispatch.outcomes
-    assert outcome.verified  # the reboot came back and passed
+    assert outcome.verified is not None and outcome.verified.passed  # the reboot came back and passed
 
 
 def test_without_a_gpu_reset_the_providers_own_is_used(runtime: Runtime, fleet: SimFleet) -> None:

@@ -2,7 +2,8 @@
 requeued off it before a DCGM level 2-4 run and before a reboot, reset or replacement, once per incident,
 recorded as a `requeue` action and a `move job off` step; a job that cannot be moved stops the level or
 the action, and the incident escalates with the node held. Real Prefect (test harness), the simulated
-fleet, and at the end a real local Slurm cluster whose nodes have no RebootProgram.
+fleet, and at the end a real local Slurm cluster: with no RebootProgram, and with a GPU reset in place
+through nvidia-smi (recorded answers) beside Slurm's reboot.
 """
 
 from __future__ import annotations
@@ -11,21 +12,25 @@ import asyncio
 import subprocess
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import slurm_cluster
 from checkout import REPO_ROOT
 from factories import fault_event
-from slurm_cluster import Cluster
+from gpu_reset_support import BUSY, H200, NVSENTINEL_BUS, SUCCEEDED, Node, hopper_node
+from slurm_cluster import Cluster, until
 
 from medic.flows.dispatch import Dispatch, remediate_all
 from medic.flows.remediate import Outcome
 from medic.intake import read_lines
 from medic.integrations import registry
+from medic.integrations.gpu_reset import GPUS, PROCESSES
 from medic.integrations.sim.fleet import SimFleet
 from medic.integrations.slurm import SlurmCli, SlurmRebootProvider, SlurmScheduler
 from medic.integrations.slurm.errors import SlurmUnreachableError
+from medic.integrations.slurm.provider import BOOT_SLACK_S
 from medic.protocols import JobState, NodeState
 from medic.store import IncidentDetail, Store
 from medic.tasks import runtime as runtime_module
@@ -285,3 +290,67 @@ def test_slurm_a_requeue_whose_answer_is_lost_never_leaves_the_job_held(
     ).stdout.split()
     assert "Priority=0" not in shown and f"ExcNodeList={node}" in shown, shown
     assert node not in slurm.running(job_id).nodes
+
+
+# --- the GPU reset in place, beside Slurm's reboot -----------------------------------------------
+
+
+def xid48(node: str, event_id: str) -> list[str]:
+    """An XID 48 (a double-bit ECC error), which NVIDIA's catalog resolves with a GPU reset."""
+    event = fault_event("xid", id=event_id, node=node, gpu=0, at=datetime.now(UTC), attributes={"code": 48})
+    return [event.model_dump_json()]
+
+
+def booted(slurm: Cluster, node: str) -> int:
+    """The node's BootTime once slurmd has registered: a node just resumed answers none for a moment."""
+    return until(lambda: slurm.cli.node_and_boot(node)[1], f"{node}'s BootTime")
+
+
+def reboots(slurm: Cluster) -> str:
+    log = slurm.base / "log" / "reboots.log"
+    return log.read_text() if log.exists() else ""
+
+
+@pytest.mark.system
+def test_slurm_the_gpu_is_reset_in_place_and_the_node_never_rebooted(
+    slurm: Cluster, slurm_runtime: Runtime, tmp_path: Path
+) -> None:
+    gpu_node = Node(tmp_path, names=(BAD,))
+    gpu_node.answer(hopper_node((SUCCEEDED, 0)))
+    slurm_runtime.backends.gpu_reset = gpu_node.resetter()
+    before, rebooted = booted(slurm, BAD), reboots(slurm)
+
+    outcome = run(slurm_runtime, xid48(BAD, "slurm-reset-1"))
+    verified = outcome.verified is not None and outcome.verified.passed
+    assert (outcome.action, outcome.act, verified) == ("reset_gpu", "done", True), outcome.summary
+    assert f"reset GPU 0 ({NVSENTINEL_BUS}) on {BAD} with nvidia-smi in " in outcome.summary
+    actions = {a.action: a.status for a in detail_of(slurm_runtime, outcome).actions}
+    assert actions == {"drain": "succeeded", "reset_gpu": "succeeded", "resume": "succeeded"}
+    assert "--gpu-reset -i 0" in gpu_node.calls()
+    # Slurm never rebooted it: the same boot (re-registering may move it a second), no reboot asked,
+    # and it is back in service.
+    assert abs(booted(slurm, BAD) - before) <= BOOT_SLACK_S and reboots(slurm) == rebooted
+    node = slurm.cli.node(BAD)
+    assert not node.flags & {"DRAIN", "REBOOT_REQUESTED", "REBOOT_ISSUED"}, node
+
+
+@pytest.mark.system
+def test_slurm_a_gpu_that_cannot_be_reset_is_rebooted_by_slurm_and_the_step_says_why(
+    slurm: Cluster, slurm_runtime: Runtime, tmp_path: Path
+) -> None:
+    gpu_node = Node(tmp_path, names=(OTHER,))
+    gpu_node.answer({GPUS: [(H200, 0)], PROCESSES: [(BUSY, 0)]})  # a process still holds GPU 0
+    slurm_runtime.backends.gpu_reset = gpu_node.resetter()
+    before = booted(slurm, OTHER)
+
+    outcome = run(slurm_runtime, xid48(OTHER, "slurm-reset-2"))
+    verified = outcome.verified is not None and outcome.verified.passed
+    assert (outcome.action, outcome.act, verified) == ("reset_gpu", "done", True), outcome.summary
+    assert (
+        f"GPU reset not done (not reset: pid 561 (python3) holds GPU 0 on {OTHER}); "
+        f"rebooting instead: asked Slurm to reboot {OTHER} once idle"
+    ) in outcome.summary
+    assert not [c for c in gpu_node.calls() if "--gpu-reset" in c or c.startswith("-pm")]
+    assert booted(slurm, OTHER) - before > BOOT_SLACK_S
+    assert OTHER in reboots(slurm)
+    assert not slurm.cli.node(OTHER).flags & {"DRAIN"}  # verified, and returned
