@@ -16,6 +16,7 @@ from bench import (
     ageing,
     agent,
     flow_overhead,
+    hang,
     hostile,
     ingest,
     live,
@@ -46,6 +47,7 @@ BENCHMARKS: list[tuple[str, Callable[[], dict[str, Any]], Callable[[dict[str, An
     ("policy replay", replay.run, replay.section),
     ("ageing", ageing.run, ageing.section),
     ("training resume", resume.run, resume.section),
+    ("hang", hang.run, hang.section),
 ]
 
 

@@ -85,24 +85,31 @@ class Launch:
         self.output.close()
 
 
-def launch(workdir: Path, name: str, *torchrun_args: str) -> Launch:
-    log = workdir / f"{name}.log"
-    output = log.open("w")
-    command = [
+def job_command(workdir: Path, ranks: int, *torchrun_args: str) -> list[str]:
+    """The reference job under torchrun on this machine, its checkpoints, losses and events in `workdir`."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        f"--nproc-per-node={RANKS}",
+        f"--nproc-per-node={ranks}",
         "--master-addr=127.0.0.1",
         f"--master-port={free_port()}",
         *torchrun_args,
         str(TRAIN_SCRIPT),
-        f"--steps={STEPS}",
-        f"--ckpt-every={CKPT_EVERY}",
-        f"--step-work-s={STEP_WORK_S}",
         f"--ckpt-dir={workdir / 'checkpoints'}",
         f"--loss-log={workdir / 'losses.jsonl'}",
         f"--events={workdir / 'events.jsonl'}",
+    ]
+
+
+def launch(workdir: Path, name: str, *torchrun_args: str) -> Launch:
+    log = workdir / f"{name}.log"
+    output = log.open("w")
+    command = [
+        *job_command(workdir, RANKS, *torchrun_args),
+        f"--steps={STEPS}",
+        f"--ckpt-every={CKPT_EVERY}",
+        f"--step-work-s={STEP_WORK_S}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_DEVICE": "cpu"}
     process = subprocess.Popen(

@@ -162,6 +162,9 @@ class LiveDispatcher:
                     self.differential.topology = Topology.of_nodes(self.rt.backends.scheduler.nodes())
                 except Exception:  # the scheduler is down: the switches it said last will do
                     log.exception("reading the topology from the scheduler failed")
+            # The policy, re-read as for every incident, says how long a job's stalls gather.
+            settle = self.rt.policy().policy.defaults.stall_settle_seconds
+            self.differential.hangs.stall_settle = timedelta(seconds=settle)
             return self._stored(events, [out for event in events for out in self.differential.push(event)])
 
     def _settled(self) -> list[FaultEvent]:

@@ -45,6 +45,8 @@ class Differential:
         if event.job is not None and event.rank is not None:
             self.members[event.job, event.rank] = Member(event.node, event.gpu, event.switch)
         if timings_of(event) is not None:
+            if event.job is not None:
+                self.hangs.progressed(event.job)
             out += self.peers.push(event)
         elif self.hangs.is_stall(event):
             self.hangs.stalled(event)

@@ -20,6 +20,15 @@ collective count and a stack dump's path) when it stops making steps; such a rep
 `STALL_LOOKBACK` of the timeouts gives the silent rank its position, and its dump becomes the
 culprit's `artifact`.
 
+The stall reports need not wait for a timeout (PyTorch's watchdog: 10 minutes by default). Every rank
+of a hung job stalls, the hung one short of the collective its peers wait in, so the first stall
+report of a job opens a gathering of its own, settled after `stall_settle` (the ranks' watches wake
+a quarter of their period apart). Then only **behind** names a culprit: ranks at different positions.
+Everyone stalled at the same place (a checkpoint written by all, a slow input pipeline) names nobody
+and gives no event: the stalls stay evidence for a timeout to come. Nor does a job that moved while
+its stalls gathered (a rank reported steps, or stalled a second time): slow is not hung. A rank silent among stalled
+peers is not named from stalls alone (its report may be late); the collective timeout finds it.
+
 A culprit becomes one `nccl_timeout` event about its node (source `medic`, `attributes.detector:
 "hang"`, its victims listed); the reporters' own timeouts are absorbed as its evidence, so no
 victim's node is diagnosed or drained for the hang. Pure: events in, events out.
@@ -40,6 +49,9 @@ from medic.peers import SOURCE, Member, derived_id
 
 DETECTOR = "hang"
 SETTLE = timedelta(seconds=30)  # the reports of one hang come within the collective timeout's jitter
+# Stall watches wake every quarter of their period: at the reference job's 30 s, every rank's report
+# is in 7.5 s after the first, plus delivery.
+STALL_SETTLE = timedelta(seconds=15)
 STALL_CHECK = "stall"
 STALL_LOOKBACK = timedelta(minutes=30)  # collective timeouts are minutes (NCCL's default: 10)
 ABSENT_WEIGHT = 0.8  # silence is weaker evidence than a sequence number
@@ -156,15 +168,24 @@ def attribute(positions: Mapping[int, int], world_size: int | None, known: set[i
 @dataclass(slots=True)
 class _Pending:
     first: datetime
-    reports: list[tuple[FaultEvent, TimeoutReport]] = field(default_factory=list)
+    reports: list[tuple[FaultEvent, TimeoutReport]] = field(default_factory=list)  # the timeouts
+    stalled: set[int] = field(default_factory=set)  # ranks whose stall reports it has
+    # A rank reported a step or a second stall since: the job moves, slowly or not, and is no hang.
+    moved: bool = False
 
 
 class HangAttributor:
     """Holds a job's collective timeouts for `settle`, then hands on its culprits (or the timeouts)."""
 
-    def __init__(self, members: Mapping[tuple[str, int], Member], settle: timedelta = SETTLE) -> None:
+    def __init__(
+        self,
+        members: Mapping[tuple[str, int], Member],
+        settle: timedelta = SETTLE,
+        stall_settle: timedelta = STALL_SETTLE,
+    ) -> None:
         self.members = members
         self.settle = settle
+        self.stall_settle = stall_settle
         self.pending: dict[str, _Pending] = {}
         self.stalls: dict[tuple[str, int], tuple[FaultEvent, TimeoutReport]] = {}
 
@@ -187,9 +208,22 @@ class HangAttributor:
         )
 
     def stalled(self, event: FaultEvent) -> None:
-        """Keep a rank's stall report (`is_stall`) as evidence for a hang to come."""
+        """Keep a rank's stall report (`is_stall`) as evidence; the first of a job opens a gathering."""
         assert event.job is not None and event.rank is not None  # `is_stall` checks
         self.stalls[event.job, event.rank] = (event, _report(event))
+        held = self.pending.setdefault(event.job, _Pending(event.time))
+        # A hung job's ranks report once each: a second report is a rank that stepped on.
+        held.moved |= event.rank in held.stalled
+        held.stalled.add(event.rank)
+
+    def progressed(self, job: str) -> None:
+        """A rank of `job` reported finished steps (its step timings): no hang gathers for it now."""
+        if job in self.pending:
+            self.pending[job].moved = True
+
+    def _due_at(self, held: _Pending) -> datetime:
+        """Timeouts settle on theirs; a gathering of stalls alone on the stalls' shorter clock."""
+        return held.first + (self.settle if held.reports else self.stall_settle)
 
     def push(self, event: FaultEvent) -> None:
         """Hold one timeout (`takes` it)."""
@@ -199,17 +233,19 @@ class HangAttributor:
 
     def due(self, now: datetime) -> list[FaultEvent]:
         """What the jobs whose reports have settled by `now` give."""
-        settled = [job for job, held in self.pending.items() if now - held.first >= self.settle]
+        settled = [job for job, held in self.pending.items() if now >= self._due_at(held)]
         return [event for job in settled for event in self.release(job)]
 
     def flush(self) -> list[FaultEvent]:
         return [event for job in list(self.pending) for event in self.release(job)]
 
     def next_due(self) -> datetime | None:
-        return min((p.first + self.settle for p in self.pending.values()), default=None)
+        return min((self._due_at(p) for p in self.pending.values()), default=None)
 
     def release(self, job: str) -> list[FaultEvent]:
         held = self.pending.pop(job)
+        if not held.reports:
+            return [] if held.moved else self._from_stalls(job, since=held.first)
         events = [event for event, _ in held.reports]
         reported = {event.rank: report for event, report in held.reports if event.rank is not None}
         stalls = self._stalls_of(job, since=held.first - STALL_LOOKBACK)
@@ -229,6 +265,24 @@ class HangAttributor:
         stalled = {rank: event for rank, (event, _) in stalls.items()}
         return [self._event(job, c, events, ahead, stalled.get(c.rank)) for c in culprits]
 
+    def _from_stalls(self, job: str, since: datetime) -> list[FaultEvent]:
+        """The culprits among ranks stalled at different positions since `since`, before any timeout.
+        The reports stay: evidence for the timeouts, should the job reach them."""
+        stalls = {
+            rank: found
+            for (name, rank), found in self.stalls.items()
+            if name == job and found[0].time >= since
+        }
+        positions = _positions({rank: report for rank, (_, report) in stalls.items()})
+        if positions is None or len(positions) < 2:
+            return []
+        # Known ranks are the reporters: a silent rank is never named from stalls (module doc).
+        found = attribute(positions, None, set(positions))
+        culprits = [c for c in found if c.evidence == "behind" and (job, c.rank) in self.members]
+        reports = sorted((event for event, _ in stalls.values()), key=lambda e: (e.time, e.id))
+        ahead = max(positions.values())
+        return [self._event(job, c, reports, ahead, stalls[c.rank][0], before_timeout=True) for c in culprits]
+
     def _stalls_of(self, job: str, since: datetime) -> dict[int, tuple[FaultEvent, TimeoutReport]]:
         """The job's stall reports since `since`, by rank; they are used up here."""
         mine = [key for key in self.stalls if key[0] == job]
@@ -236,7 +290,13 @@ class HangAttributor:
         return {rank: found for rank, found in taken.items() if found[0].time >= since}
 
     def _event(
-        self, job: str, culprit: Culprit, reports: list[FaultEvent], ahead: int, stall: FaultEvent | None
+        self,
+        job: str,
+        culprit: Culprit,
+        reports: list[FaultEvent],
+        ahead: int,
+        stall: FaultEvent | None,
+        before_timeout: bool = False,
     ) -> FaultEvent:
         member = self.members[job, culprit.rank]
         victims = [e for e in reports if e.rank != culprit.rank]
@@ -256,6 +316,8 @@ class HangAttributor:
         }
         if stall is not None:
             attributes |= {"stall_event": stall.id, "artifact": stall.attributes.get("artifact")}
+        if before_timeout:
+            attributes["before_timeout"] = True  # named from the ranks' stalls: no collective timed out yet
         return FaultEvent(
             id=derived_id(DETECTOR, job, culprit.rank, ahead),
             time=last.time,

@@ -569,6 +569,9 @@ class MedicHooks:
                     artifact=str(path),
                     collective_seq=self.collectives or None,
                     world_size=self.world_size,
+                    # Where the GPU got to, where tracked: a rank stuck in a kernel has issued its
+                    # next collective without starting it, a place the loop's count cannot see.
+                    flight_recorder=flight_recorder_status(),
                 )
             except Exception:  # reporting never stops training, a watch thread least of all
                 log.exception("could not report a stall of step %s", step)

@@ -110,8 +110,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     peers.add_argument(
         "--stall-dump-s",
         type=float,
-        default=float(env("MEDIC_STALL_DUMP_S", "0")) or None,
-        help="dump every thread's stack and report it once no step ended for this long (env MEDIC_STALL_DUMP_S)",
+        # 30 s: above a checkpoint save's time here, and with GPU Medic's 15 s to gather the ranks'
+        # reports, a hang is named within a minute (docs/culprit.md). 0 turns the watch off.
+        default=float(env("MEDIC_STALL_DUMP_S", "30")) or None,
+        help="dump every thread's stack and report it once no step ended for this long, 0: never "
+        "(default 30, env MEDIC_STALL_DUMP_S)",
     )
     peers.add_argument(
         "--artifacts",

@@ -352,6 +352,14 @@ class Defaults(_Strict):
         description="How long `medic serve` holds an event a `switch` condition counts before treating it "
         "as one node's trouble: long enough for the neighbours under its switch to report.",
     )
+    stall_settle_seconds: float = Field(
+        15,
+        ge=1,
+        le=600,
+        description="How long `medic serve` gathers a job's stall reports after the first before naming "
+        "the rank stalled behind its peers as a hang (docs/culprit.md): at least a quarter of the jobs' "
+        "stall-watch period, which is how far apart the ranks' reports come.",
+    )
 
 
 class Policy(_Strict):

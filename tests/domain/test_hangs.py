@@ -162,6 +162,54 @@ def test_a_stall_long_before_the_timeouts_is_no_evidence() -> None:
     assert culprit.attributes["evidence"] == "absent" and "artifact" not in culprit.attributes
 
 
+def test_stalls_alone_name_the_rank_behind_before_any_timeout() -> None:
+    """Every rank of a hung job stalls; the one short of its peers' collective is named once the
+    stalls settle (15 s after the first), minutes before PyTorch's watchdog would time out."""
+    diff = Differential()
+    for event in members():
+        assert diff.push(event) == []
+    stalls = [stall(0, 12, 30), stall(1, 12, 31), stall(3, 11, 33), stall(2, 12, 36)]
+    assert [e for s in stalls for e in diff.push(s)] == []
+    assert diff.due(T0 + timedelta(seconds=44)) == []  # the first stall + 15 s, not yet
+    [culprit] = diff.due(T0 + timedelta(seconds=45))
+    attributes = culprit.attributes
+    assert (culprit.rank, culprit.node, attributes["evidence"], attributes["before_timeout"]) == (
+        3,
+        "node-b",
+        "behind",
+        True,
+    )
+    assert (attributes["collective_seq"], attributes["peers_collective_seq"]) == (11, 12)
+    assert [v["rank"] for v in attributes["victims"]] == [0, 1, 2]  # the stalled peers waiting for it
+    assert attributes["artifact"] == "/dumps/r3.txt" and culprit.time == stalls[-1].time
+    # The watchdog's timeouts later name the same culprit, under the same id: one event, not two.
+    later = [timeout(rank, 12, seconds=600 + rank) for rank in (0, 1, 2)]
+    assert [e for t in later for e in diff.push(t)] == []
+    [again] = diff.flush()
+    assert (again.id, again.attributes["evidence"]) == (culprit.id, "behind")
+
+
+def test_ranks_stalled_at_the_same_place_name_nobody() -> None:
+    # A checkpoint every rank writes, or a slow input pipeline: all wait alike, and no event comes.
+    together = [stall(rank, 12, 30 + rank) for rank in range(WORLD)]
+    assert differential([*members(), *together]) == []
+
+
+def test_a_job_that_moves_while_its_stalls_gather_is_slow_not_hung() -> None:
+    # Every step slower than the watch's period: the ranks stall at each step, a step apart at times.
+    stepping = [stall(0, 12, 30), stall(1, 12, 30), stall(2, 12, 31), stall(3, 11, 31), stall(0, 13, 32)]
+    assert differential([*members(), *stepping]) == []
+    # Or a rank's step timings come in while they gather.
+    timings = seen(1).model_copy(update={"time": T0 + timedelta(seconds=35)})
+    assert differential([*members(), *stepping[:4], timings]) == []
+
+
+def test_a_rank_silent_among_stalled_peers_is_left_for_the_timeout() -> None:
+    # Rank 3 may only be late to report: stalls alone never call a silence a hang.
+    assert differential([*members(), *(stall(rank, 12, 30) for rank in (0, 1, 2))]) == []
+    assert differential([*members(), stall(2, 11, 30)]) == []  # one rank alone is behind nobody
+
+
 @pytest.mark.parametrize(
     ("positions", "world", "expected"),
     [
@@ -309,6 +357,28 @@ def test_a_loop_that_reports_no_collectives_sends_no_position(tmp_path: Path) ->
 
 # --- The warm path of `medic serve` (flows/live.py) -------------------------------------------------
 
+LIVE_NODE_OF = {rank: f"gpu-node-{rank + 1}" for rank in range(WORLD)}  # the simulated fleet's
+
+
+def handing_on(dispatcher: LiveDispatcher) -> list[FaultEvent]:
+    """What the dispatcher hands on to correlation and flow runs, kept instead."""
+    handed: list[FaultEvent] = []
+
+    async def take(events: list[FaultEvent]) -> None:
+        handed.extend(events)
+
+    dispatcher._take = take  # type: ignore[method-assign]  # the differential's wiring, not the flows
+    return handed
+
+
+def on_the_fleet(event: FaultEvent, at: datetime) -> FaultEvent:
+    assert event.rank is not None
+    return event.model_copy(update={"node": LIVE_NODE_OF[event.rank], "time": at})
+
+
+def known_ranks(now: datetime) -> list[FaultEvent]:
+    return [on_the_fleet(seen(rank), now - timedelta(minutes=1)) for rank in range(WORLD)]
+
 
 def test_the_live_path_stores_and_hands_on_the_culprit_once_the_reports_settle(
     sqlite_store: Store, sim_backends: Backends, live_dispatcher: Callable[..., LiveDispatcher]
@@ -316,21 +386,10 @@ def test_the_live_path_stores_and_hands_on_the_culprit_once_the_reports_settle(
     rt = configure(Runtime(sqlite_store, sim_backends, REPO_ROOT / "policies" / "default.yaml"))
     dispatcher = live_dispatcher(rt)
     dispatcher.differential = Differential(settle=timedelta(seconds=0.5))
-    handed: list[FaultEvent] = []
-
-    async def take(events: list[FaultEvent]) -> None:  # where correlation and flow runs would start
-        handed.extend(events)
-
-    dispatcher._take = take  # type: ignore[method-assign]  # the differential's wiring, not the flows
+    handed = handing_on(dispatcher)
     now = datetime.now(UTC)
-    node_of = {rank: f"gpu-node-{rank + 1}" for rank in range(WORLD)}
-    known = [
-        seen(rank).model_copy(update={"node": node_of[rank], "time": now - timedelta(minutes=1)})
-        for rank in range(WORLD)
-    ]
-    reports = [
-        timeout(rank, 12).model_copy(update={"node": node_of[rank], "time": now}) for rank in (0, 1, 2)
-    ]
+    known = known_ranks(now)
+    reports = [on_the_fleet(timeout(rank, 12), now) for rank in (0, 1, 2)]
     rt.store.record_accepted([*known, *reports])  # as `medic serve` stores before handing on
 
     async def serve() -> None:
@@ -346,6 +405,37 @@ def test_the_live_path_stores_and_hands_on_the_culprit_once_the_reports_settle(
         "leaf-1",
     )  # placed from the fleet
     assert rt.store.known_event_ids([culprit.id]) == {culprit.id}  # stored before it is correlated
+
+
+def test_the_live_path_gathers_stalls_for_the_policy_s_stall_settle_seconds(
+    tmp_path: Path,
+    sqlite_store: Store,
+    sim_backends: Backends,
+    live_dispatcher: Callable[..., LiveDispatcher],
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    default = (REPO_ROOT / "policies" / "default.yaml").read_text()
+    policy.write_text(default.replace("\ndefaults:\n", "\ndefaults:\n  stall_settle_seconds: 1\n", 1))
+    rt = configure(Runtime(sqlite_store, sim_backends, policy))
+    dispatcher = live_dispatcher(rt)
+    handed = handing_on(dispatcher)
+    now = datetime.now(UTC)
+    known = known_ranks(now)
+    stalls = [on_the_fleet(stall(rank, 11 if rank == 3 else 12), now) for rank in range(WORLD)]
+    rt.store.record_accepted([*known, *stalls])
+
+    async def serve() -> float:
+        started = time.monotonic()
+        await dispatcher([*known, *stalls])
+        assert handed == []  # gathering: the policy's second has not passed
+        await dispatcher.drain()
+        return time.monotonic() - started
+
+    took = asyncio.run(serve())
+    [culprit] = handed
+    assert (culprit.rank, culprit.node, culprit.attributes["before_timeout"]) == (3, "gpu-node-4", True)
+    assert dispatcher.differential.hangs.stall_settle == timedelta(seconds=1)
+    assert took < 10  # the policy's 1 s, not the default 15 s
 
 
 def test_the_hooks_timeout_carries_the_flight_recorder_s_place_where_there_is_one(

@@ -17,6 +17,7 @@ from checkout import REPO_ROOT
 from torchrun_support import Run, torchrun
 
 from medic.artifacts import Artifact, artifacts_of
+from medic.culprit import differential
 from medic.events import EventKind, FaultEvent
 from medic.intake import read_file
 from medic.peers import TIMINGS_CHECK
@@ -46,6 +47,11 @@ COMMON = (
 # noise in the baseline alone could keep the slowed rank under the line.
 SLOW_FACTOR = 2.0
 HANG_RANK, HANG_AT = 3, 12
+
+
+def hung_at(stall: FaultEvent) -> int:
+    """Where the flight recorder says a stalled rank got to: the last collective it issued."""
+    return int(stall.attributes["flight_recorder"]["last_enqueued_collective"])
 
 
 def decided(run: Run) -> list[Replayed]:
@@ -149,12 +155,33 @@ def test_a_hung_rank_is_named_and_the_reporters_are_victims(hung_rank: Run) -> N
     assert acted_on(results) == {"node-b"}
     [culprit] = [e for r in results for e in r.incident.events if e.kind is EventKind.NCCL_TIMEOUT]
     assert (culprit.rank, culprit.node, culprit.attributes["detector"]) == (HANG_RANK, "node-b", "hang")
-    assert (culprit.attributes["evidence"], culprit.attributes["collective_seq"]) == ("behind", HANG_AT - 1)
+    # Every report, the hung rank's stall too, carries the flight recorder: its numbering is compared.
+    assert (culprit.attributes["evidence"], culprit.attributes["collective_seq"]) == (
+        "behind",
+        hung_at(stalls[HANG_RANK]),
+    )
+    assert culprit.attributes["collective_seq"] < culprit.attributes["peers_collective_seq"]
     assert {v["rank"] for v in culprit.attributes["victims"]} == reporters
     assert {v["node"] for v in culprit.attributes["victims"]} >= {"node-a"}
     # The deep look: the hung rank's own stacks, where it stopped.
     stacks = (hung_rank.events.parent / culprit.attributes["artifact"]).read_text()
     assert "time.sleep" in stacks or "in train" in stacks, stacks
+
+
+def test_the_stalls_alone_name_the_hung_rank_before_any_timeout(hung_rank: Run) -> None:
+    """What `medic serve` sees before the watchdog fires: the same run's events, its timeouts left out."""
+    before = [e for e in hung_rank.fault_events() if e.kind is not EventKind.NCCL_TIMEOUT]
+    [culprit] = [e for e in differential(before) if e.attributes.get("detector") == "hang"]
+    attributes = culprit.attributes
+    assert (culprit.rank, culprit.node, attributes["evidence"], attributes["before_timeout"]) == (
+        HANG_RANK,
+        "node-b",
+        "behind",
+        True,
+    )
+    [own] = [e for e in before if e.rank == HANG_RANK and e.attributes.get("check") == "stall"]
+    assert attributes["collective_seq"] == hung_at(own) < attributes["peers_collective_seq"]
+    assert {v["node"] for v in attributes["victims"]} >= {"node-a"}
 
 
 def test_a_whole_job_slowing_blames_nobody(slow_job: Run) -> None:
