@@ -29,7 +29,7 @@ Env = Mapping[str, str]
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    name: str  # store, policy, slurm, dcgm, aws, checkpoints, slack, prefect
+    name: str  # store, policy, slurm, dcgm, gpu-reset, aws, checkpoints, slack, prefect
     status: Status
     target: str  # what was asked: a URL, a path, a command's node; "" when nothing was
     detail: str  # what came back, or why it was skipped
@@ -146,19 +146,15 @@ def probe_dcgm(env: Env, node: str | None = None, settings: Settings | None = No
     """`dcgmi --version` and `dcgmi discovery -l` (nv-hostengine answers) on one node, through the
     configured runner (MEDIC_DCGM_RUNNER, MEDIC_DCGMI): this machine for the local runner, else
     `node`, else the first node Slurm lists."""
-    from medic.integrations.dcgm.runner import LocalRunner, RunnerConfigError, runner_from_env
+    from medic.integrations.dcgm.runner import RunnerConfigError, runner_from_env
 
     dcgmi = env.get("MEDIC_DCGMI") or "dcgmi"
     try:
         runner = runner_from_env(env)
     except RunnerConfigError as error:
         return Probe("dcgm", "fail", "", _problem(error))
-    kind = env.get("MEDIC_DCGM_RUNNER") or "ssh"
-    if node is None and isinstance(runner, LocalRunner):
-        node = socket.gethostname()
-    if node is None and settings is not None and "slurm" in (settings.scheduler, settings.provider):
-        node = _first_node(env)
-    what = f"{dcgmi} on {node or '?'} (runner {kind})"
+    node = _node_to_ask(env, runner, node, settings)
+    what = f"{dcgmi} on {node or '?'} (runner {env.get('MEDIC_DCGM_RUNNER') or 'ssh'})"
     if node is None:
         return Probe("dcgm", "fail", what, "no node to ask: give --node NODE")
     version = runner.run(node, [dcgmi, "--version"], PROBE_TIMEOUT_S)
@@ -173,6 +169,44 @@ def probe_dcgm(env: Env, node: str | None = None, settings: Settings | None = No
         return Probe("dcgm", "fail", what, f"{said}; nv-hostengine: {problem}")
     gpus = re.search(r"(\d+)\s+GPUs?\s+found", discovery.stdout, re.IGNORECASE)
     return Probe("dcgm", "ok", what, f"{said}; nv-hostengine answers ({gpus.group(0) if gpus else 'listed'})")
+
+
+def _node_to_ask(env: Env, runner: Any, node: str | None, settings: Settings | None) -> str | None:
+    """`node`, else this machine for the local runner, else the first node Slurm lists."""
+    from medic.integrations.dcgm.runner import LocalRunner
+
+    if node is None and isinstance(runner, LocalRunner):
+        node = socket.gethostname()
+    if node is None and settings is not None and "slurm" in (settings.scheduler, settings.provider):
+        node = _first_node(env)
+    return node
+
+
+def probe_gpu_reset(env: Env, node: str | None = None, settings: Settings | None = None) -> Probe:
+    """MEDIC_GPU_RESET=nvidia-smi: the GPUs as the reset reads them, on one node (as the dcgm probe
+    picks it) through the runner the reset uses, and what a reset there takes: the GPU alone, or
+    every GPU of the node (docs/gpu-reset.md). Reads only."""
+    from medic.integrations.gpu_reset import GPUS, NvidiaSmiGpuReset, UnreadableOutputError, parse_gpus, scope
+
+    try:
+        resetter = NvidiaSmiGpuReset.from_env(env)
+    except ValueError as error:  # the runner's settings, srun among them
+        return Probe("gpu-reset", "fail", "", _problem(error))
+    node = _node_to_ask(env, resetter.runner, node, settings)
+    what = f"{resetter.nvidia_smi} on {node or '?'} (runner {env.get('MEDIC_DCGM_RUNNER') or 'ssh'})"
+    if node is None:
+        return Probe("gpu-reset", "fail", what, "no node to ask: give --node NODE")
+    done = resetter.runner.run(node, [resetter.nvidia_smi, *GPUS], PROBE_TIMEOUT_S)
+    problem = _dcgm_problem(done)
+    if problem:
+        return Probe("gpu-reset", "fail", what, problem)
+    try:
+        gpus = parse_gpus(done.stdout)
+    except UnreadableOutputError as error:
+        return Probe("gpu-reset", "fail", what, str(error))
+    wider = scope(gpus, gpus[0].index)[1]
+    takes = f"every GPU of the node together ({wider})" if wider else "one GPU at a time"
+    return Probe("gpu-reset", "ok", what, f"{len(gpus)} GPUs; a reset takes {takes}")
 
 
 def _dcgm_problem(done: Any) -> str | None:
@@ -402,6 +436,9 @@ def probe_all(settings: Settings, node: str | None = None) -> list[Probe]:
         (lambda: probe_dcgm(env, node, settings))
         if chosen["diagnostics"] == "dcgm"
         else unused("dcgm", f"not used (diagnostics={shown['diagnostics']})"),
+        (lambda: probe_gpu_reset(env, node, settings))
+        if env.get("MEDIC_GPU_RESET") == "nvidia-smi"
+        else unused("gpu-reset", f"not used (MEDIC_GPU_RESET={env.get('MEDIC_GPU_RESET') or 'unset'})"),
         (lambda: probe_aws(env))
         if uses_aws
         else unused("aws", f"not used (provider={shown['provider']}, checkpoints={shown['checkpoints']})"),

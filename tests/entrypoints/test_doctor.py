@@ -22,10 +22,12 @@ from typing import Any
 
 import pytest
 from checkout import TEST_FIXTURES
+from gpu_reset_support import H200, Node, eight_gpus
 from slack_api import SlackApi, running_slack_api
 from slurm_cluster import Cluster, cluster  # noqa: F401  (the module's real Slurm cluster fixture)
 
 from medic import __version__
+from medic.integrations.gpu_reset import GPUS
 from medic.integrations.probes import probe_aws, probe_prefect_ui, probe_store
 from medic.store.migrate import HEAD
 
@@ -75,6 +77,7 @@ def test_simulation_everything_needed_answers(tmp_path: Path) -> None:
     assert {name for name, (status, _) in probes.items() if status == "skip"} == {
         "slurm",
         "dcgm",
+        "gpu-reset",
         "aws",
         "checkpoints",
         "slack",
@@ -127,6 +130,7 @@ def test_json_shape(tmp_path: Path) -> None:
         "policy",
         "slurm",
         "dcgm",
+        "gpu-reset",
         "aws",
         "checkpoints",
         "slack",
@@ -235,6 +239,40 @@ def test_dcgm_through_the_configured_runner(tmp_path: Path, dcgmi: str, status: 
 
 
 @pytest.mark.system
+# --- the GPU reset's nvidia-smi (recorded answers: this machine has no GPU) ------------------------
+
+
+@pytest.mark.parametrize(
+    ("answers", "status", "detail"),
+    [
+        ({GPUS: [(H200, 0)]}, "ok", "1 GPUs; a reset takes one GPU at a time"),
+        (
+            {GPUS: [(eight_gpus((8, 0)), 0)]},
+            "ok",
+            "8 GPUs; a reset takes every GPU of the node together (compute capability 8.0: before Hopper, "
+            "NVLink peers are reset together)",
+        ),
+        ({GPUS: [("No devices were found\n", 6)]}, "fail", "rc=6: No devices were found"),
+    ],
+)
+def test_the_gpu_reset_reads_the_gpus_through_its_runner(
+    tmp_path: Path, answers: dict[tuple[str, ...], list[tuple[str, int]]], status: str, detail: str
+) -> None:
+    node = Node(tmp_path)
+    node.answer(answers)
+    nvidia_smi = str(tmp_path / "nvidia-smi")
+    done = doctor(
+        tmp_path, MEDIC_GPU_RESET="nvidia-smi", MEDIC_DCGM_RUNNER="local", MEDIC_NVIDIA_SMI=nvidia_smi
+    )
+    assert lines(done)["gpu-reset"] == (
+        status,
+        f"{nvidia_smi} on {socket.gethostname()} (runner local)  {detail}",
+    )
+    assert node.calls() == [" ".join(GPUS)]  # it reads, and asks for nothing else
+    refused = doctor(tmp_path, MEDIC_GPU_RESET="nvidia-smi", MEDIC_DCGM_RUNNER="srun")
+    assert lines(refused)["gpu-reset"][0] == "fail" and "cannot reach a drained node" in refused.stdout
+
+
 def test_slurm_controller_answers_with_its_version(tmp_path: Path, cluster: Cluster) -> None:  # noqa: F811
     conf = cluster.base / "etc" / "slurm.conf"
     done = doctor(tmp_path, MEDIC_SCHEDULER="slurm", SLURM_CONF=str(conf))
