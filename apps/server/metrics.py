@@ -29,9 +29,10 @@ class StoreCollector(Collector):
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        up, incidents, actions, rejected, kept, held_for, breaker, blocks = self._families()
+        up, incidents, actions, rejected, kept, held_for, breaker, blocks, waiting, oldest = self._families()
         try:
             holds = self.store.held_nodes()
+            waits = self.store.approval_waits()
             tripped = self.store.open_breaker_record()
             blocked = self.store.guardrail_blocks()
             contained = self.store.contain_delays()
@@ -64,7 +65,9 @@ class StoreCollector(Collector):
         breaker.add_metric([], 0 if tripped is None else 1)
         for guardrail, count in sorted(blocked.items()):
             blocks.add_metric([guardrail], count)
-        yield from (up, incidents, actions, rejected, kept, held_for, breaker, blocks)
+        waiting.add_metric([], len(waits))
+        oldest.add_metric([], max(waits, default=0.0))
+        yield from (up, incidents, actions, rejected, kept, held_for, breaker, blocks, waiting, oldest)
         yield _histogram(
             "medic_decision_seconds",
             "Per incident, from its first event's arrival to its first policy decision (from the store).",
@@ -87,6 +90,8 @@ class StoreCollector(Collector):
         GaugeMetricFamily,
         GaugeMetricFamily,
         CounterMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
     ]:
         return (
             GaugeMetricFamily("medic_store_up", "1 if the store answered this scrape, else 0."),
@@ -118,6 +123,13 @@ class StoreCollector(Collector):
                 "medic_guardrail_blocks",
                 "Incidents a guardrail stopped an action of, by guardrail (their decisions name it).",
                 labels=["guardrail"],
+            ),
+            GaugeMetricFamily(
+                "medic_approvals_waiting", "Incidents waiting on a human's approval (an unanswered request)."
+            ),
+            GaugeMetricFamily(
+                "medic_approval_oldest_wait_seconds",
+                "Seconds the oldest unanswered approval request has waited; 0 when none waits.",
             ),
         )
 

@@ -8,9 +8,16 @@ from typing import Any
 from sqlalchemy import func
 from sqlmodel import SQLModel, col, select
 
-from medic.statuses import StepStatus
+from medic.statuses import IncidentStatus, StepStatus
 from medic.store.engine import StoreBase
-from medic.store.tables import ActionRecord, DecisionRecord, EventRecord, IncidentRecord, StepRecord
+from medic.store.tables import (
+    ActionRecord,
+    ApprovalRecord,
+    DecisionRecord,
+    EventRecord,
+    IncidentRecord,
+    StepRecord,
+)
 
 # tasks/contain.py's stage: the store names it, not imports it (the store sits below the tasks).
 CONTAIN_STAGE = "contain"
@@ -62,6 +69,19 @@ class MetricsMixin(StoreBase):
             return [
                 max(0.0, (_utc(finished) - _utc(came)).total_seconds()) for came, finished in s.exec(query)
             ]
+
+    def approval_waits(self) -> list[float]:
+        """Per unanswered approval request of an incident still waiting on it: seconds since it was asked.
+        A request whose incident moved on (its run was picked up again, or ended) is no longer waited on."""
+        query = (
+            select(ApprovalRecord.requested_at)
+            .join(IncidentRecord, col(IncidentRecord.id) == col(ApprovalRecord.incident_id))
+            .where(col(ApprovalRecord.answered_at).is_(None))
+            .where(IncidentRecord.status == IncidentStatus.WAITING_FOR_APPROVAL)
+        )
+        now = datetime.now(UTC)
+        with self.session() as s:
+            return [max(0.0, (now - _utc(asked)).total_seconds()) for asked in s.exec(query)]
 
     def guardrail_blocks(self) -> dict[str, int]:
         """How many incidents each guardrail stopped an action of (their decisions name it)."""

@@ -36,8 +36,9 @@ from medic.apps.server.main import children_of
 from medic.events import FaultEvent
 from medic.intake import DEAD_LETTER_SAMPLE, Rejection, RejectionSample
 from medic.policy import Decision
-from medic.statuses import ACTIVE_INCIDENT_STATUSES, StepStatus
+from medic.statuses import ACTIVE_INCIDENT_STATUSES, IncidentStatus, StepStatus
 from medic.store import Store, utcnow
+from medic.store import approvals as approvals_module
 from medic.store import rejections as dead_letter_module
 from medic.store.engine import unavailable
 from medic.store.rejections import DEAD_LETTER_PER_MINUTE, DeadLettered
@@ -884,6 +885,36 @@ async def test_metrics_say_the_breaker_the_guardrails_blocks_and_the_time_to_con
     assert after[("medic_guardrail_blocks_total", (("guardrail", "circuit_breaker"),))] == 1
     assert after[("medic_contain_seconds_count", ())] == 1
     assert 2 <= after[("medic_contain_seconds_sum", ())] < 60
+
+
+@pytest.mark.anyio
+async def test_metrics_say_how_many_approvals_wait_and_for_how_long(
+    sqlite_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What GPUMedicApprovalWaiting alerts on: unanswered requests of incidents still waiting on them."""
+    async with serving(make_app(sqlite_store)) as client:
+        before = samples((await client.get("/metrics")).text)
+    assert (before[("medic_approvals_waiting", ())], before[("medic_approval_oldest_wait_seconds", ())]) == (
+        0,
+        0,
+    )
+
+    asked = []
+    for n in (1, 2, 3):
+        waiting = incident(fault(f"a{n}"), id=f"inc-a{n}", node=f"gpu-00{n}")
+        sqlite_store.record_events([waiting])
+        sqlite_store.open_incident(waiting)
+        with monkeypatch.context() as clock:  # the first was asked 40 minutes ago
+            earlier = utcnow() - timedelta(minutes=40 if n == 1 else 0)
+            clock.setattr(approvals_module, "utcnow", lambda at=earlier: at)
+            asked.append(sqlite_store.request_approval(f"inc-a{n}", "reboot").id or 0)
+        sqlite_store.update_incident(f"inc-a{n}", status=IncidentStatus.WAITING_FOR_APPROVAL)
+    sqlite_store.answer_approval(asked[2], approved=True, by="alice", via="slack")  # answered: not waiting
+    sqlite_store.update_incident("inc-a2", status=IncidentStatus.CLOSED)  # moved on: not waiting either
+    async with serving(make_app(sqlite_store)) as client:
+        after = samples((await client.get("/metrics")).text)
+    assert after[("medic_approvals_waiting", ())] == 1
+    assert 40 * 60 <= after[("medic_approval_oldest_wait_seconds", ())] < 41 * 60
 
 
 # --- a real server process: kill -9 after the reply, `medic emit` ------------------------------
