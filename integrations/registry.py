@@ -60,6 +60,7 @@ from medic.protocols import (
     Notifier,
     Reservations,
     Scheduler,
+    SparePool,
 )
 
 # What to set for each role, in the message of an unconfigured one.
@@ -107,6 +108,11 @@ class Backends:
     nic_loopback: NicLoopbackTest
     # None: `reset_gpu` is the provider's own (a reboot on every real provider).
     gpu_reset: GpuReset | None = None
+
+    @property
+    def spare_pool(self) -> SparePool | None:
+        """The scheduler's spare pool (docs/spares.md); None where it has none."""
+        return self.scheduler if isinstance(self.scheduler, SparePool) else None
 
     @property
     def reservations(self) -> Reservations | None:

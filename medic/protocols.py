@@ -85,6 +85,25 @@ class Reservations(Protocol):
     def reserved_nodes(self) -> frozenset[str]: ...
 
 
+# The reservation that holds the spare pool, on schedulers that hold it with one (Slurm).
+SPARES_RESERVATION = "medic-spares"
+
+
+@runtime_checkable
+class SparePool(Protocol):
+    """Schedulers that can hold idle nodes back as spares (docs/spares.md), so that a job requeued off a
+    node that must go starts again at once instead of waiting for the repair. Apart from `Scheduler`:
+    one without a pool has no spares.
+
+    `spare_nodes` lists the pool. `lend` hands one spare to general service, where the requeued job
+    lands, and returns its name (None: the pool is empty). `refill` puts a node in the pool: no job
+    lands on it there. Neither touches a node's drain: the caller resumes a repaired node."""
+
+    def spare_nodes(self) -> frozenset[str]: ...
+    def lend(self) -> str | None: ...
+    def refill(self, node: str) -> None: ...
+
+
 @runtime_checkable
 class NodeProvider(Protocol):
     """Hardware actions. Each returns a short description of what the backend did."""

@@ -24,6 +24,7 @@ from medic.store import utcnow
 from medic.store.tables import ActionRecord
 from medic.tasks.retry import transient_only
 from medic.tasks.runtime import Runtime, current
+from medic.tasks.spares import lend_spare
 from medic.tasks.stage import StageLog, stage
 
 MOVE_STAGE = "move job off"
@@ -39,13 +40,15 @@ class ResumeOutcome(BaseModel):
     lost_seconds: float | None  # work since the checkpoint, to be redone
     seconds_to_resume: float
     nodes: list[str]
+    spare: str = ""  # what the spare pool gave for its requeue (docs/spares.md)
 
     def describe(self) -> str:
+        spare = f"; {self.spare}" if self.spare else ""
         if self.checkpoint_step is None:
-            return f"job {self.job} restarted from scratch: no complete checkpoint was found"
+            return f"job {self.job} restarted from scratch: no complete checkpoint was found{spare}"
         now = f" (now at step {self.resumed_step})" if self.resumed_step is not None else ""
         lost = f"; work lost ≈ {self.lost_seconds:.0f} s" if self.lost_seconds is not None else ""
-        return f"job {self.job} resumed from step {self.checkpoint_step}{now}{lost}"
+        return f"job {self.job} resumed from step {self.checkpoint_step}{now}{lost}{spare}"
 
 
 class Restart(BaseModel):
@@ -54,9 +57,11 @@ class Restart(BaseModel):
     checkpoint_step: int | None
     lost_seconds: float | None
     requeued_at: datetime
+    spare: str = ""  # what the spare pool gave for it
 
     def describe(self) -> str:
-        return f" from checkpoint step {self.checkpoint_step}" if self.checkpoint_step is not None else ""
+        step = f" from checkpoint step {self.checkpoint_step}" if self.checkpoint_step is not None else ""
+        return f"{step}; {self.spare}" if self.spare else step
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +98,7 @@ def _move_off(rt: Runtime, incident_id: str, node: str, job: str) -> JobsOff:
         key = move_key(incident_id, node, job)
         row, claimed = rt.store.claim_action(key, incident_id, node, REQUEUE)
         if claimed:
-            stuck = _requeue_claimed(rt, key, job, node, log)
+            stuck = _requeue_claimed(rt, incident_id, key, job, node, log)
         elif row.status != ActionStatus.SUCCEEDED:
             stuck = (
                 f"another requeue of job {job} for this incident has not reported back ({row.status}); "
@@ -107,10 +112,12 @@ def _move_off(rt: Runtime, incident_id: str, node: str, job: str) -> JobsOff:
         return JobsOff(summary, stuck)
 
 
-def _requeue_claimed(rt: Runtime, key: str, job: str, node: str, log: StageLog) -> str | None:
+def _requeue_claimed(
+    rt: Runtime, incident_id: str, key: str, job: str, node: str, log: StageLog
+) -> str | None:
     """Requeue under the claim `key`; None when done, else why the job could not be moved."""
     try:
-        restart, _ = _requeue(rt, job, [node])
+        restart, _ = _requeue(rt, incident_id, job, [node])
     except Exception as error:
         rt.store.finish_action(key, ActionStatus.FAILED, f"{type(error).__name__}: {error}")
         if is_transient(error):
@@ -122,14 +129,17 @@ def _requeue_claimed(rt: Runtime, key: str, job: str, node: str, log: StageLog) 
     return None
 
 
-def _requeue(rt: Runtime, job: str, exclude: list[str]) -> tuple[Restart, JobInfo]:
+def _requeue(rt: Runtime, incident_id: str, job: str, exclude: list[str]) -> tuple[Restart, JobInfo]:
     checkpoint = rt.backends.checkpoints.latest(job)
+    # The job needs a node now, not after the repair: a spare is freed for it first (docs/spares.md).
+    spare = lend_spare(rt, incident_id, exclude[0]) if exclude else ""
     asked = utcnow()
     info = rt.backends.scheduler.requeue(job, exclude)
     restart = Restart(
         checkpoint_step=checkpoint.step if checkpoint else None,
         lost_seconds=(asked - checkpoint.saved_at).total_seconds() if checkpoint else None,
         requeued_at=asked,
+        spare=spare,
     )
     return restart, info
 
@@ -222,7 +232,7 @@ def resume_job(incident_id: str, job: str, exclude: list[str], wait_s: float = 9
         started = time.monotonic()
         restart = _moved_before(rt, incident_id, job, exclude)
         if restart is None:
-            restart, info = _requeue(rt, job, exclude)
+            restart, info = _requeue(rt, incident_id, job, exclude)
         else:
             info = _job(rt, job)  # moved off before the act: one requeue per incident, never two
         floor = restart.checkpoint_step or 0
@@ -243,6 +253,7 @@ def resume_job(incident_id: str, job: str, exclude: list[str], wait_s: float = 9
             lost_seconds=restart.lost_seconds,
             seconds_to_resume=(utcnow() - restart.requeued_at).total_seconds(),
             nodes=list(info.nodes),
+            spare=restart.spare,
         )
         log.done(f"{outcome.describe()} on {', '.join(outcome.nodes)}", **outcome.model_dump())
         return outcome

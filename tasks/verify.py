@@ -16,6 +16,7 @@ from medic.tasks.deep_check import all_reduce_budget_s, dcgm_check, node_budget_
 from medic.tasks.node_ops import holding, resume_node
 from medic.tasks.retry import transient_only
 from medic.tasks.runtime import current
+from medic.tasks.spares import refill_spares
 from medic.tasks.stage import stage
 
 READY_TIMEOUT_S = 1800.0
@@ -81,8 +82,11 @@ def verify(
             )
             detail = _detail(results, level, action)
             passed = overall(results) is Verdict.PASS
-            # Passed, the node returns; failed, it stays ours, held for people (docs/decisions/0013).
-            detail = f"{detail}; {resume_node(rt, incident_id, node) if passed else holding(rt, incident_id, node, _KEPT)}"
+            # Passed, the node returns (into the spare pool first, while it is short); failed, it stays
+            # ours, held for people (docs/decisions/0013).
+            pooled = refill_spares(rt, incident_id, node) if passed else None
+            after = resume_node(rt, incident_id, node) if passed else holding(rt, incident_id, node, _KEPT)
+            detail = "; ".join(p for p in (detail, pooled, after) if p)
             outcome = VerifyOutcome(passed=passed, detail=detail)
         log.done(outcome.detail, status=StepStatus.OK if outcome.passed else StepStatus.FAILED)
         return outcome

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from medic.integrations.sim.fleet import SimFleet, SimJob
-from medic.protocols import JobInfo, JobState, NodeInfo, NodeState
+from medic.protocols import SPARES_RESERVATION, JobInfo, JobState, NodeInfo, NodeState
 from medic.sweep import RESERVATION_PREFIX, NodeBusyError
 
 
@@ -110,8 +110,38 @@ class SimScheduler:
                 self.fleet.record_call(node_name, "release")
 
     def reserved_nodes(self) -> frozenset[str]:
+        """The sweeps' (as Slurm's): the spare pool is no sweep's, and its nodes are in service."""
         with self.fleet.lock:
-            return self._reserved()
+            return frozenset(
+                n
+                for name, nodes in self.fleet.reservations.items()
+                if name.startswith(RESERVATION_PREFIX)
+                for n in nodes
+            )
+
+    def spare_nodes(self) -> frozenset[str]:
+        with self.fleet.lock:
+            return frozenset(self.fleet.reservations.get(SPARES_RESERVATION, ()))
+
+    def lend(self) -> str | None:
+        with self.fleet.lock:
+            pool = sorted(self.fleet.reservations.get(SPARES_RESERVATION, ()))
+            if not pool:
+                return None
+            self.fleet.record_call(pool[0], "lend")
+            if pool[1:]:
+                self.fleet.reservations[SPARES_RESERVATION] = tuple(pool[1:])
+            else:
+                del self.fleet.reservations[SPARES_RESERVATION]
+            return pool[0]
+
+    def refill(self, node: str) -> None:
+        with self.fleet.lock:
+            self.fleet.node(node)  # a node the fleet has
+            pool = set(self.fleet.reservations.get(SPARES_RESERVATION, ()))
+            if node not in pool:
+                self.fleet.record_call(node, "refill")
+                self.fleet.reservations[SPARES_RESERVATION] = tuple(sorted(pool | {node}))
 
     def _reserved(self) -> frozenset[str]:
         return frozenset(n for nodes in self.fleet.reservations.values() for n in nodes)

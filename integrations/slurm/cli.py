@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -40,6 +41,10 @@ UNREACHABLE = (
 
 def _unreachable(said: str) -> bool:
     return any(marker in said.lower() for marker in UNREACHABLE)
+
+
+# `scontrol -o show reservation`: one reservation a line, `Key=Value` fields.
+_RESERVATION_FIELD = re.compile(r"(\w+)=(\S*)")
 
 
 class SlurmCli:
@@ -135,3 +140,19 @@ class SlurmCli:
 
     def scontrol(self, *args: str) -> str:
         return self.run("scontrol", *args)
+
+    def reservations(self) -> dict[str, list[str]]:
+        """Every reservation Slurm holds: name -> its nodes (a hostlist like `n[1-3]` expanded)."""
+        found = {}
+        for line in self.scontrol("-o", "show", "reservation").splitlines():
+            fields = dict(_RESERVATION_FIELD.findall(line))
+            if fields.get("ReservationName"):
+                found[fields["ReservationName"]] = self._hostnames(fields.get("Nodes", ""))
+        return found
+
+    def _hostnames(self, hostlist: str) -> list[str]:
+        if not hostlist or hostlist == "(null)":
+            return []
+        if "[" not in hostlist:
+            return hostlist.split(",")
+        return self.scontrol("show", "hostnames", hostlist).split()

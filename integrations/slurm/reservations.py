@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import getpass
 import logging
-import re
 import uuid
 from collections.abc import Sequence
 
@@ -23,7 +22,6 @@ log = logging.getLogger(__name__)
 # What scontrol says (lower-cased) when a node of the reservation holds a job or another reservation.
 BUSY = ("requested nodes are busy", "nodes are busy", "overlaps an existing reservation")
 GONE = "requested reservation is invalid"  # delete of a reservation that no longer exists
-_FIELD = re.compile(r"(\w+)=(\S*)")
 
 
 class SlurmReservations:
@@ -65,14 +63,7 @@ class SlurmReservations:
             log.info("reservation %s was already gone (expired or deleted)", name)
 
     def reserved_nodes(self) -> frozenset[str]:
-        held: set[str] = set()
-        for line in self.cli.scontrol("-o", "show", "reservation").splitlines():
-            fields = dict(_FIELD.findall(line))
-            if fields.get("ReservationName", "").startswith(RESERVATION_PREFIX) and fields.get("Nodes"):
-                held.update(self._hostnames(fields["Nodes"]))
-        return frozenset(held)
-
-    def _hostnames(self, hostlist: str) -> list[str]:
-        if "[" not in hostlist:
-            return hostlist.split(",")
-        return self.cli.scontrol("show", "hostnames", hostlist).split()
+        held = self.cli.reservations()
+        return frozenset(
+            node for name, nodes in held.items() if name.startswith(RESERVATION_PREFIX) for node in nodes
+        )

@@ -31,6 +31,7 @@ from medic.integrations.slurm.errors import (
 )
 from medic.integrations.slurm.records import SlurmJob
 from medic.integrations.slurm.reservations import SlurmReservations
+from medic.integrations.slurm.spares import SlurmSpares
 from medic.integrations.slurm.topology import TopologyFormatError
 from medic.integrations.slurm.topology import read as read_topology
 from medic.protocols import JobInfo, JobState, NodeInfo
@@ -46,7 +47,7 @@ RELEASE_TRIES = 3
 TOPOLOGY_TTL_S = 600.0  # switches change with recabling, not by the minute
 
 
-class SlurmScheduler(SlurmReservations):
+class SlurmScheduler(SlurmReservations, SlurmSpares):
     def __init__(self, cli: SlurmCli | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.cli = cli or SlurmCli()
         # Jobs this scheduler requeued held and has not seen released: a later requeue of one finds

@@ -362,6 +362,15 @@ class Defaults(_Strict):
     )
 
 
+class Spares(_Strict):
+    nodes: NonNegativeInt = Field(
+        0,
+        le=10_000,
+        description="Idle nodes held back as spares (docs/spares.md): a job requeued off a node that "
+        "must go lands on one at once; a repaired node refills the pool after its verification. 0: none.",
+    )
+
+
 class Policy(_Strict):
     version: Literal[1] = 1
     description: str = ""
@@ -375,6 +384,7 @@ class Policy(_Strict):
         default_factory=DeepChecks,
         description="Node shapes and the checks a node passes before it returns to service (docs/deep-checks.md).",
     )
+    spares: Spares = Field(default_factory=Spares)
     rules: list[Rule]
 
     def lookback(self) -> timedelta:

@@ -2,8 +2,8 @@
 requeued off it before a DCGM level 2-4 run and before a reboot, reset or replacement, once per incident,
 recorded as a `requeue` action and a `move job off` step; a job that cannot be moved stops the level or
 the action, and the incident escalates with the node held. Real Prefect (test harness), the simulated
-fleet, and at the end a real local Slurm cluster: with no RebootProgram, and with a GPU reset in place
-through nvidia-smi (recorded answers) beside Slurm's reboot.
+fleet, and at the end a real local Slurm cluster: with no RebootProgram, with a GPU reset in place
+through nvidia-smi (recorded answers) beside Slurm's reboot, and with a spare held by a reservation.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import slurm_cluster
 from checkout import REPO_ROOT
 from factories import fault_event
 from gpu_reset_support import BUSY, H200, NVSENTINEL_BUS, SUCCEEDED, Node, hopper_node
-from slurm_cluster import Cluster, until
+from slurm_cluster import NODES, Cluster, until
 
 from medic.flows.dispatch import Dispatch, remediate_all
 from medic.flows.remediate import Outcome
@@ -31,7 +31,7 @@ from medic.integrations.sim.fleet import SimFleet
 from medic.integrations.slurm import SlurmCli, SlurmRebootProvider, SlurmScheduler
 from medic.integrations.slurm.errors import SlurmUnreachableError
 from medic.integrations.slurm.provider import BOOT_SLACK_S
-from medic.protocols import JobState, NodeState
+from medic.protocols import SPARES_RESERVATION, JobState, NodeState
 from medic.store import IncidentDetail, Store
 from medic.tasks import runtime as runtime_module
 from medic.tasks.runtime import Runtime, configure
@@ -354,3 +354,43 @@ def test_slurm_a_gpu_that_cannot_be_reset_is_rebooted_by_slurm_and_the_step_says
     assert booted(slurm, OTHER) - before > BOOT_SLACK_S
     assert OTHER in reboots(slurm)
     assert not slurm.cli.node(OTHER).flags & {"DRAIN"}  # verified, and returned
+
+
+# --- the spare pool, held by a Slurm reservation ------------------------------------------------------
+
+
+@pytest.fixture
+def spare_pool(slurm: Cluster) -> Iterator[SlurmScheduler]:
+    """The last node held as the one spare; the reservation is gone after the test, whatever it did."""
+    scheduler = SlurmScheduler()
+    scheduler.refill(NODES[3])
+    try:
+        yield scheduler
+    finally:
+        if SPARES_RESERVATION in slurm.cli.reservations():
+            slurm.run("scontrol", "delete", f"ReservationName={SPARES_RESERVATION}")
+
+
+@pytest.mark.system
+def test_slurm_the_requeued_job_lands_on_a_spare_and_the_repaired_node_refills_the_pool(
+    slurm: Cluster, slurm_runtime: Runtime, spare_pool: SlurmScheduler, tmp_path: Path
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    default = (REPO_ROOT / "policies" / "default.yaml").read_text()
+    policy.write_text(default.replace("\nrules:\n", "\nspares:\n  nodes: 1\n\nrules:\n", 1))
+    slurm_runtime.policy_path = policy
+    assert spare_pool.spare_nodes() == {NODES[3]} and spare_pool.reserved_nodes() == set()
+    job_id = slurm.sbatch("--nodes=3", "--exclusive", "--requeue", user="nobody")  # every node but the spare
+    bad = slurm.running(job_id).nodes[0]
+
+    event = fault_event("xid", id="slurm-spare-1", node=bad, gpu=0, job=job_id, at=datetime.now(UTC))
+    outcome = run(slurm_runtime, [event.model_dump_json()])
+    assert (outcome.action, outcome.act) == ("reboot", "done"), outcome.summary
+    assert f"spare {NODES[3]} lent to the job" in outcome.summary
+    again = slurm.running(job_id)  # on the spare, once its old credential expired; no wait for the reboot
+    assert bad not in again.nodes and NODES[3] in again.nodes and again.restarts == 1
+    # Verified, the repaired node refills the pool rather than taking work.
+    assert outcome.verified is not None and outcome.verified.passed, outcome.summary
+    assert f"{bad} refills the spare pool (1 of 1)" in outcome.verified.detail
+    assert slurm.cli.reservations()[SPARES_RESERVATION] == [bad]
+    assert not slurm.cli.node(bad).flags & {"DRAIN"}

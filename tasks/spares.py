@@ -1,0 +1,56 @@
+"""The spare pool in a remediation (docs/spares.md): a spare lent when a job is moved off a node that
+must go, so that the requeued job starts again at once; a repaired node, verified, refilling the pool
+while it is short of the policy's `spares.nodes`. Each at most once per incident and node, under a
+claim in the store like every node action. Neither stops the repair when it fails: it says why."""
+
+from __future__ import annotations
+
+from medic.statuses import ActionStatus
+from medic.tasks.runtime import Runtime
+
+LEND = "lend_spare"  # the actions' names in the store
+REFILL = "refill_spares"
+
+
+def lend_spare(rt: Runtime, incident_id: str, node: str) -> str:
+    """Lend a spare for the jobs just moved off `node`; what happened, or "" with no pool to lend from."""
+    pool = rt.backends.spare_pool
+    if pool is None or rt.policy().policy.spares.nodes == 0:
+        return ""
+    key = f"{incident_id}:{node}:{LEND}"
+    _, claimed = rt.store.claim_action(key, incident_id, node, LEND)
+    if not claimed:
+        return ""  # lent for this incident already, or by a run that died: never a second one
+    try:
+        lent = pool.lend()
+    except Exception as error:  # the repair goes on; the job waits for a free node instead
+        rt.store.finish_action(key, ActionStatus.FAILED, f"{type(error).__name__}: {error}")
+        return f"no spare lent: {error}"
+    if lent is None:
+        rt.store.finish_action(key, ActionStatus.FAILED, "the spare pool is empty")
+        return "no spare lent: the pool is empty, so the job waits for a free node"
+    rt.store.finish_action(key, ActionStatus.SUCCEEDED, f"lent spare {lent} for {node}")
+    return f"spare {lent} lent to the job"
+
+
+def refill_spares(rt: Runtime, incident_id: str, node: str) -> str | None:
+    """Put the verified `node` in the pool while it is short, before it is resumed, so that no job lands
+    on it meanwhile; None when the pool is full or there is none (the node returns to general service)."""
+    pool = rt.backends.spare_pool
+    wanted = rt.policy().policy.spares.nodes
+    if pool is None or wanted == 0:
+        return None
+    have = pool.spare_nodes()
+    if node in have or len(have) >= wanted:
+        return None
+    key = f"{incident_id}:{node}:{REFILL}"
+    _, claimed = rt.store.claim_action(key, incident_id, node, REFILL)
+    if not claimed:
+        return None
+    try:
+        pool.refill(node)
+    except Exception as error:  # it returns to general service instead
+        rt.store.finish_action(key, ActionStatus.FAILED, f"{type(error).__name__}: {error}")
+        return f"{node} not put in the spare pool: {error}"
+    rt.store.finish_action(key, ActionStatus.SUCCEEDED, f"{node} put in the spare pool")
+    return f"{node} refills the spare pool ({len(have) + 1} of {wanted})"
