@@ -242,21 +242,30 @@ def make_sink(sink: Sink | Path | str) -> Sink:
     return sink
 
 
+# PyTorch's dumps of the flight recorder, by backend. On torch 2.11 an NCCL group's records are in
+# the NCCL dump only (the generic one answers an empty `pg_status` there), gloo's in the generic one
+# (docs/gpu-run.md): each is asked until one knows the group.
+FLIGHT_RECORDER_DUMPS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
+
+
 def flight_recorder_status(pg: str = "0") -> dict[str, Any] | None:
     """The process group's `pg_status` in PyTorch's flight recorder (the default group is "0"), where
     the job runs with one and has loaded torch: this library never imports it itself."""
     if not any(os.environ.get(name, "0") not in ("", "0") for name in FLIGHT_RECORDER_ENV):
         return None
     c10d = getattr(getattr(sys.modules.get("torch"), "_C", None), "_distributed_c10d", None)
-    dump = getattr(c10d, "_dump_fr_trace_json", None) or getattr(c10d, "_dump_nccl_trace_json", None)
-    if dump is None:
-        return None
-    try:
-        status = json.loads(dump()).get("pg_status", {}).get(pg)
-    except Exception as error:  # a trace we cannot read must not cost the timeout's report
-        log.warning("could not read the flight recorder: %s", error)
-        return None
-    return status if isinstance(status, dict) else None
+    for name in FLIGHT_RECORDER_DUMPS:
+        dump = getattr(c10d, name, None)
+        if dump is None:
+            continue
+        try:
+            status = json.loads(dump()).get("pg_status", {}).get(pg)
+        except Exception as error:  # a trace we cannot read must not cost the report it goes in
+            log.warning("could not read the flight recorder (%s): %s", name, error)
+            continue
+        if isinstance(status, dict):
+            return status
+    return None
 
 
 def is_collective_timeout(error: BaseException) -> bool:

@@ -438,6 +438,51 @@ def test_the_live_path_gathers_stalls_for_the_policy_s_stall_settle_seconds(
     assert took < 10  # the policy's 1 s, not the default 15 s
 
 
+# What torch 2.11's two dumps answered on an NVIDIA H200 for one NCCL rank after three all-reduces
+# (docs/gpu-run.md, 2026-11-28): the generic dump knew no group, the NCCL dump did (its first entry of three).
+H200_NCCL_FR_DUMP = {
+    "pg_status": {
+        "0": {
+            "last_completed_collective": "-1",
+            "last_enqueued_collective": "3",
+            "last_started_collective": "-1",
+        }
+    },
+    "entries": [
+        {
+            "collective_seq_id": 1,
+            "input_dtypes": ["Float"],
+            "input_sizes": [[4]],
+            "is_p2p": False,
+            "op_id": 1,
+            "output_dtypes": ["Float"],
+            "output_sizes": [[4]],
+            "p2p_seq_id": 0,
+            "pg_id": 0,
+            "process_group": ["0", "default_pg"],
+            "profiling_name": "nccl:all_reduce",
+            "record_id": 0,
+            "retired": False,
+            "state": "completed",
+            "timeout_ms": 600000,
+        }
+    ],
+}
+H200_GENERIC_FR_DUMP: dict[str, object] = {"pg_status": {}}
+
+
+def test_an_nccl_group_s_place_comes_from_the_nccl_dump_when_the_generic_one_knows_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "100")
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", lambda: json.dumps(H200_GENERIC_FR_DUMP), raising=False)
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", lambda: json.dumps(H200_NCCL_FR_DUMP), raising=False)
+    hooks = MedicHooks(job=JOB, node="node-a", rank=0, sink=tmp_path / "events.jsonl", world_size=WORLD)
+    event = hooks.report_exception(RuntimeError("Watchdog caught collective operation timeout"))
+    assert event is not None
+    assert event.attributes["flight_recorder"] == H200_NCCL_FR_DUMP["pg_status"]["0"]  # type: ignore[index]
+
+
 def test_the_hooks_timeout_carries_the_flight_recorder_s_place_where_there_is_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
