@@ -46,6 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fleet": ("medic.apps.cli.fleet", "fleet_app"),
     "sweep": ("medic.apps.cli.sweep", "sweep_app"),
     "node": ("medic.apps.cli.node", "node_app"),
+    "alerts": ("medic.apps.cli.alerts", "alerts_app"),
 }
 
 

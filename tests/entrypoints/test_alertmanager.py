@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import re
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,10 @@ import pytest
 from checkout import TEST_FIXTURES
 from fastapi import FastAPI
 from test_server import BEARER, TOKEN, make_app, samples, serving
+from typer.testing import CliRunner
 
 from medic.alerts import ALERT_MAP_ENV, fault, load_alert_map, shipped_map
+from medic.apps.cli.app import app as cli
 from medic.apps.server.main import ServeConfigError, serve
 from medic.events import EventKind, FaultEvent
 from medic.policy import PolicyError
@@ -271,6 +274,28 @@ def test_a_broken_site_mapping_is_refused_at_its_file_and_line(
         load_alert_map({ALERT_MAP_ENV: str(site)})
     assert f"{site}:{line}:" in str(refused.value)
     assert message in str(refused.value)
+
+
+def test_medic_alerts_check_says_what_serve_would_refuse_at_its_file_and_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    good, broken = tmp_path / "alerts.yaml", tmp_path / "broken.yaml"
+    good.write_text(SITE_MAP)
+    broken.write_text("alerts:\n  Mine:\n    field: DCGM_FI_NOPE\n")
+    shipped = shipped_map()
+    done = CliRunner().invoke(cli, ["alerts", "check", str(good), str(broken)])
+    assert done.exit_code == 1
+    assert done.stdout == (
+        f"{good}: ok, merged over the shipped mapping ({len(shipped.fields)} fields, 0 added; 2 alerts, "
+        "2 added; node from node, instance)\n"
+    )
+    assert re.fullmatch(
+        rf"{broken}:3:\d+: alerts.Mine.field: DCGM_FI_NOPE is not under `fields`\n", done.stderr
+    )
+    # Without a file, the one MEDIC_ALERT_MAP names: what `medic serve` will load.
+    monkeypatch.setenv(ALERT_MAP_ENV, str(good))
+    named = CliRunner().invoke(cli, ["alerts", "check"])
+    assert (named.exit_code, named.stdout.split(":")[0]) == (0, str(good))
 
 
 def test_medic_serve_does_not_start_with_a_broken_site_mapping(tmp_path: Path) -> None:
