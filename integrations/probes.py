@@ -158,13 +158,13 @@ def probe_dcgm(env: Env, node: str | None = None, settings: Settings | None = No
     if node is None:
         return Probe("dcgm", "fail", what, "no node to ask: give --node NODE")
     version = runner.run(node, [dcgmi, "--version"], PROBE_TIMEOUT_S)
-    problem = _dcgm_problem(version)
+    problem = _run_problem(version)
     if problem:
         return Probe("dcgm", "fail", what, problem)
     found = re.search(DCGMI_VERSION, version.stdout, re.IGNORECASE)
     said = f"dcgmi {found.group(1)}" if found else "dcgmi runs"
     discovery = runner.run(node, [dcgmi, "discovery", "-l"], PROBE_TIMEOUT_S)
-    problem = _dcgm_problem(discovery)
+    problem = _run_problem(discovery)
     if problem:
         return Probe("dcgm", "fail", what, f"{said}; nv-hostengine: {problem}")
     gpus = re.search(r"(\d+)\s+GPUs?\s+found", discovery.stdout, re.IGNORECASE)
@@ -197,7 +197,7 @@ def probe_gpu_reset(env: Env, node: str | None = None, settings: Settings | None
     if node is None:
         return Probe("gpu-reset", "fail", what, "no node to ask: give --node NODE")
     done = resetter.runner.run(node, [resetter.nvidia_smi, *GPUS], PROBE_TIMEOUT_S)
-    problem = _dcgm_problem(done)
+    problem = _run_problem(done)
     if problem:
         return Probe("gpu-reset", "fail", what, problem)
     try:
@@ -209,7 +209,7 @@ def probe_gpu_reset(env: Env, node: str | None = None, settings: Settings | None
     return Probe("gpu-reset", "ok", what, f"{len(gpus)} GPUs; a reset takes {takes}")
 
 
-def _dcgm_problem(done: Any) -> str | None:
+def _run_problem(done: Any) -> str | None:
     if done.launch_error:
         return str(done.launch_error)
     if done.timed_out:

@@ -4,6 +4,7 @@ refusal for the node (`SimFleet.reset_refusals`: a process still on the GPU, say
 from __future__ import annotations
 
 from medic.integrations.sim.fleet import SimFleet
+from medic.integrations.sim.provider import SimProvider
 from medic.protocols import GpuResetOutcome
 
 
@@ -21,6 +22,6 @@ class SimGpuReset:
             refusal = self.fleet.reset_refusals.get(node)
             if refusal:
                 return GpuResetOutcome(False, f"{which} not reset: {refusal}", gpus)
-            self.fleet.record_call(node, "reset_gpu")
-            sim.gpu_resets += 1
-        return GpuResetOutcome(True, f"reset GPU {gpu if gpu is not None else 'all'} on {node}", gpus)
+            # The simulated provider's reset_gpu already resets in place: the same effect, said the same way.
+            done = SimProvider(self.fleet).reset_gpu(node, gpu)
+        return GpuResetOutcome(True, done, gpus)
