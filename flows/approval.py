@@ -18,13 +18,14 @@ from prefect.input import RunInput
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from medic.policy import Action, Decision
+from medic.policy import Action, Decision, Mode, groups
 from medic.policy.approvers import Approvers
 from medic.policy.model import DESTRUCTIVE, Approvals
 from medic.protocols import Message
 from medic.statuses import IncidentStatus
 from medic.tasks.node_ops import take_out_of_service
 from medic.tasks.notify import IncidentThread
+from medic.tasks.resume import move_jobs_off
 from medic.tasks.runtime import Runtime, current
 from medic.tasks.triage import Triage
 
@@ -54,7 +55,8 @@ def _poll_seconds() -> int:
 
 async def await_approval(triaged: Triage, decision: Decision) -> ApprovalOutcome:
     rt = current()
-    approvals = rt.policy().policy.approvals
+    policy = rt.policy().policy
+    approvals = groups.approvals_for(policy, groups.named(policy, decision.group))
     action = decision.action.value
     drain, kept = None, ""
     if decision.action in DESTRUCTIVE:
@@ -66,6 +68,11 @@ async def await_approval(triaged: Triage, decision: Decision) -> ApprovalOutcome
         if taken.stopped:
             name, why = taken.stopped
             kept = f"\n{triaged.node} is kept in service while you decide: drain stopped by guardrail {name}: {why}."
+        elif decision.mode is Mode.CONTAIN:
+            # Contain mode takes the node out for good while people decide: its jobs go elsewhere now.
+            off = move_jobs_off(rt, triaged.incident, triaged.node)
+            drain = "; ".join(p for p in (drain, off.detail, off.stuck) if p)
+            kept = f"\n{_contained(decision)}: {drain}."
     request = rt.store.request_approval(triaged.incident, action)
     rt.store.update_incident(triaged.incident, status=IncidentStatus.WAITING_FOR_APPROVAL)
     approvers = await asyncio.to_thread(rt.approvers, APPROVERS_WAIT_S)
@@ -93,9 +100,17 @@ async def await_approval(triaged: Triage, decision: Decision) -> ApprovalOutcome
             "approval request not delivered within %g s; still trying, answer it in the Prefect UI",
             REQUEST_WAIT_S,
         )
+    if decision.mode is Mode.CONTAIN:
+        # No repair in contain mode without a human's yes, whatever the policy says of silence.
+        approvals = approvals.model_copy(update={"on_timeout": "escalate"})
     outcome = await _answer(rt, request.id or 0, approvals, approvers, drain)
     await ask.say(outcome.detail)
     return outcome
+
+
+def _contained(decision: Decision) -> str:
+    where = f"Group {decision.group} is" if decision.group else "This node is"
+    return f"{where} in contain mode: GPU Medic took the node out and moved its jobs off; the repair waits for you"
 
 
 async def _answer(

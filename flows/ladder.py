@@ -12,7 +12,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from medic.policy import Action, Decision
+from medic.policy import Action, Decision, Mode
 from medic.tasks.decide import decide_incident
 from medic.tasks.diagnose import LEVEL_BUDGET_S, DiagnosticOutcome, diagnose
 from medic.tasks.resume import MOVE_WAIT_S
@@ -37,6 +37,8 @@ async def diagnose_ladder(incident_id: str, node: str, decision: Decision) -> La
     for _ in range(MAX_STEPS):
         if decision.action is not Action.DIAGNOSE or decision.diagnose_level is None:
             break
+        if decision.mode is Mode.OBSERVE:
+            break  # the policy was switched to observe meanwhile: no more diagnostics on the node
         level = decision.diagnose_level
         # Each level has its own hard budget: a hung DCGM run must not hold the incident forever.
         # From level 2 on it also covers moving the node's jobs off first.

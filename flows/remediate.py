@@ -5,10 +5,12 @@ verify (and the deep checks the policy requires after a replacement or repair)/r
 close. The node's jobs are moved off it before anything stresses or
 resets it (a level 2-4 diagnostic, a destructive action), so `resume job` only waits on those
 (docs/decisions/0008-job-off-node.md). Every stage writes to the store; the run is tagged with
-node, job, owner, classification and action, carries a markdown audit artifact and a link to
+node, job, owner, classification, action, mode and group, carries a markdown audit artifact and a link to
 its record, its task runs are named for what they did ("act: reboot gpu-node-3"), and each stage
 logs one line (what, on which node, why, how it ended: tasks/stage.py), so the Prefect UI's run
-history reads as an audit on its own (docs/serve.md).
+history reads as an audit on its own (docs/serve.md). The node's group's mode bounds all of it
+(docs/decisions/0017): in observe mode nothing is done past the decision but telling the owner what
+would have been; in contain mode a repair waits for a human's approval, its node drained and emptied.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from medic.audit import incident_markdown
 from medic.events import FaultEvent
 from medic.flows.approval import await_approval
 from medic.flows.ladder import diagnose_ladder
-from medic.policy import Action, Decision
+from medic.policy import Action, Decision, Mode
+from medic.policy.groups import observed
 from medic.policy.model import DESTRUCTIVE
 from medic.protocols import Message
 from medic.statuses import TERMINAL_INCIDENT_STATUSES, ActStatus, IncidentStatus
@@ -76,8 +79,11 @@ async def _tag_run(triaged: Triage, decision: Decision) -> None:
         f"classification:{decision.classification.value}",
         f"action:{decision.action.value}",
         f"rule:{decision.rule}",
+        f"mode:{decision.mode.value}",
         *(f"job:{j}" for j in triaged.jobs),
     }
+    if decision.group:
+        tags.add(f"group:{decision.group}")
     if triaged.owner:
         tags.add(f"owner:{triaged.owner}")
     async with get_client() as client:
@@ -125,7 +131,7 @@ def _message(triaged: Triage, decision: Decision, evidence: list[FaultEvent]) ->
     return Message(
         incident=triaged.incident,
         channel=triaged.channel,
-        title=f"{decision.classification.value.capitalize()} fault on {triaged.subject}: {decision.action.value}",
+        title=f"{decision.classification.value.capitalize()} fault on {triaged.subject}: {_what(decision)}",
         body=body,
         recommend=tuple(decision.recommend),
         fields={
@@ -133,9 +139,16 @@ def _message(triaged: Triage, decision: Decision, evidence: list[FaultEvent]) ->
             "gpu": "" if triaged.gpu is None else str(triaged.gpu),
             "jobs": ", ".join(triaged.jobs),
             "owner": triaged.owner or "",
+            "mode": decision.mode.value + (f" (group {decision.group})" if decision.group else ""),
             "flow run": _run_name() if flow_run.id else "",
         },
         artifacts=artifacts_of(evidence),  # the culprit's stack dump or profile, to open from the message
+    )
+
+
+def _what(decision: Decision) -> str:
+    return (
+        f"observe mode, would have: {decision.action.value}" if observed(decision) else decision.action.value
     )
 
 
@@ -156,7 +169,9 @@ def _jobs_to_resume(incident_id: str, triaged: Triage, acted: ActOutcome) -> lis
 
 def closing_status(acted: ActOutcome, verified: VerifyOutcome | None) -> IncidentStatus:
     """Escalated when the action did not happen or the node failed its verification."""
-    failed = acted.status == ActStatus.ESCALATED or (verified is not None and not verified.passed)
+    # An observed fault is people's to act on: GPU Medic did nothing about it.
+    handed = acted.status in (ActStatus.ESCALATED, ActStatus.OBSERVED)
+    failed = handed or (verified is not None and not verified.passed)
     return IncidentStatus.ESCALATED if failed else IncidentStatus.CLOSED
 
 
@@ -255,7 +270,7 @@ async def remediate(incident_id: str, node: str) -> Outcome:
     thread = IncidentThread(
         incident_id, _message(triaged, decision, current().store.incident_events(incident_id))
     )
-    if decision.action is Action.DIAGNOSE:
+    if decision.action is Action.DIAGNOSE and decision.mode is not Mode.OBSERVE:
         await thread.open()  # a ladder can take an hour: people hear of the fault first
         ladder = await diagnose_ladder(incident_id, node, decision)
         decision, seen = ladder.decision, ladder.seen
@@ -263,11 +278,13 @@ async def remediate(incident_id: str, node: str) -> Outcome:
             await thread.say(f"DCGM {result}")
     if not seen:
         decision = decide_incident(incident_id)
-    elif decision.action is Action.DIAGNOSE:
+    elif decision.action is Action.DIAGNOSE and decision.mode is not Mode.OBSERVE:
         decision = decision.model_copy(
             update={"action": Action.ESCALATE, "reason": decision.reason + "; ladder exhausted"}
         )
-    if decision.approve and decision.action not in (Action.NONE, Action.ESCALATE):
+    # Observed, nothing is done: there is nothing to approve.
+    asks = decision.approve and decision.mode is not Mode.OBSERVE
+    if asks and decision.action not in (Action.NONE, Action.ESCALATE):
         await thread.open()
         with stage(current().store, incident_id, "approval", node=node, why=decision.action.value) as log:
             answer = await await_approval(triaged, decision)
@@ -289,10 +306,25 @@ async def remediate(incident_id: str, node: str) -> Outcome:
             action=decision.action, status=ActStatus.ESCALATED, detail=f"action failed: {state.message}"
         )
     await thread.attach(_kept_files(incident_id))
-    await thread.say(
-        f"Decision: {decision.action.value} (rule `{decision.rule}`) — {acted.status}: {acted.detail}"
-    )
+    if acted.status == ActStatus.OBSERVED:
+        await thread.say(acted.detail[0].upper() + acted.detail[1:])
+    else:
+        await thread.say(
+            f"Decision: {decision.action.value} (rule `{decision.rule}`) — {acted.status}: {acted.detail}"
+        )
     await _tag_run(triaged, decision)
+
+    checking = None
+    if acted.verified_here(incident_id) and decision.action in DESTRUCTIVE:
+        # The deep checks a replacement or repair requires can take hours (DCGM level 4, an
+        # all-reduce): the task's limit is theirs. Checked beside the wait on the moved jobs, not
+        # after it: with no spare and no idle node, the repaired node is what they wait for.
+        policy = current().policy().policy
+        level = policy.defaults.verify_level
+        budget = verify_budget_s(policy.deep_checks, level, decision.action)
+        checking = verify.with_options(timeout_seconds=budget).submit(
+            incident_id, node, level, decision.action
+        )
 
     resumed = None
     to_resume = _jobs_to_resume(incident_id, triaged, acted)
@@ -308,13 +340,8 @@ async def remediate(incident_id: str, node: str) -> Outcome:
             logger.error("job %s did not resume: %s", job, job_state.message)
 
     verified = None
-    if acted.verified_here(incident_id) and decision.action in DESTRUCTIVE:
-        # The deep checks a replacement or repair requires can take hours (DCGM level 4, an
-        # all-reduce): the task's limit is theirs.
-        policy = current().policy().policy
-        level = policy.defaults.verify_level
-        budget = verify_budget_s(policy.deep_checks, level, decision.action)
-        verified = verify.with_options(timeout_seconds=budget)(incident_id, node, level, decision.action)
+    if checking is not None:
+        verified = checking.result()
         await thread.say(verified.detail)
 
     summary = _summary(decision, acted, resumed, verified, stayed)

@@ -36,8 +36,9 @@ def incident_markdown(detail: IncidentDetail) -> str:
     lines += ["", "## Decisions", ""]
     for d in detail.decisions:
         action = f"{d.action} L{d.diagnose_level}" if d.diagnose_level else d.action
+        mode = f" in {d.mode_said()}" if d.mode_said() else ""
         lines.append(
-            f"- {d.decided_at:%H:%M:%S} **{action}** ({d.classification}) by rule `{d.rule}` — {d.reason} "
+            f"- {d.decided_at:%H:%M:%S} **{action}**{mode} ({d.classification}) by rule `{d.rule}` — {d.reason} "
             f"(policy `{d.policy_path}` sha256 `{d.policy_sha256[:12]}`)"
         )
     lines += ["", "## Actions", ""]

@@ -30,6 +30,11 @@ class NodeInfo:
     reason: str | None = None  # why it is drained/down, as the scheduler shows it
     switch: str | None = None
     gpus: int = 0
+    # What a policy's node groups select on (docs/policy.md#groups); None: the scheduler does not say,
+    # which a group that needs it must never take for "none".
+    partitions: tuple[str, ...] | None = None
+    features: tuple[str, ...] | None = None
+    gpu_model: str | None = None
 
     @property
     def drained_by_medic(self) -> bool:
@@ -68,6 +73,12 @@ class Scheduler(Protocol):
     def drain(self, name: str, reason: str) -> None: ...
     def resume(self, name: str) -> None: ...
     def requeue(self, job_id: str, exclude: list[str]) -> JobInfo: ...
+    def readmit(self, job_id: str, node: str) -> bool:
+        """Lift `requeue`'s bar on `node`, once the node is repaired, for a job that waits because no
+        node it may use is free: with no spare and no idle node, the repaired node is the one it waits
+        for. True when a bar was lifted; False when the job runs, waits for anything else, or was never
+        barred from the node."""
+        ...
 
 
 @runtime_checkable

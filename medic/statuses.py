@@ -57,6 +57,7 @@ class ActStatus(StrEnum):
     ALREADY_DONE = "already-done"  # this fault's action succeeded in an earlier run
     SKIPPED = "skipped"
     ESCALATED = "escalated"
+    OBSERVED = "observed"  # the node's group is in observe mode: decided, told, nothing done (decision 0017)
 
 
 # The node action happened, in this run or an earlier one for the same fault.

@@ -6,6 +6,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from medic.policy import Action, Decision
+from medic.policy.groups import observed
 from medic.policy.model import DESTRUCTIVE
 from medic.statuses import ACT_DONE_STATUSES, ActionStatus, ActStatus, StepStatus
 from medic.store.tables import ActionRecord
@@ -181,6 +182,18 @@ def _handed_over(rt: Runtime, incident_id: str, node: str, decision: Decision) -
     return f"handed to humans ({why}); {holding(rt, incident_id, node)}"
 
 
+def would_have(decision: Decision, node: str) -> str:
+    """What an observed node would have had done to it, for its owner and the rollout's record."""
+    what = decision.action.value
+    if decision.diagnose_level is not None:
+        what += f" L{decision.diagnose_level}"
+    group = f"group {decision.group}" if decision.group else "the policy"
+    return (
+        f"would have: {what} {node} (rule {decision.rule}); {group} in observe mode, nothing done to "
+        f"{node}: it is yours to act on"
+    )
+
+
 @task(
     name="act",
     task_run_name="act: {decision.action.value} {node}",
@@ -195,7 +208,9 @@ def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> Act
         rt.store, incident_id, f"act: {decision.action.value}", node=node, why=f"rule {decision.rule}"
     ) as log:
         action = decision.action
-        if action in DESTRUCTIVE:
+        if observed(decision):
+            outcome = ActOutcome(action=action, status=ActStatus.OBSERVED, detail=would_have(decision, node))
+        elif action in DESTRUCTIVE:
             outcome = _destructive(rt, incident_id, node, gpu, decision)
         elif action is Action.DRAIN:
             taken = take_out_of_service(rt, incident_id, node, decision, "drain")
@@ -220,11 +235,12 @@ def act(incident_id: str, node: str, gpu: int | None, decision: Decision) -> Act
             outcome = ActOutcome(
                 action=action, status=ActStatus.SKIPPED, detail=returned or f"{node} left alone"
             )
-        if outcome.status != ActStatus.SKIPPED:
+        untouched = outcome.status in (ActStatus.SKIPPED, ActStatus.OBSERVED)
+        if not untouched:
             prefect_events.action_taken(incident_id, node, action.value, outcome.status, outcome.detail)
         log.done(
             outcome.detail,
-            status=StepStatus.SKIPPED if outcome.status == ActStatus.SKIPPED else StepStatus.OK,
+            status=StepStatus.SKIPPED if untouched else StepStatus.OK,
             result=outcome.status,
         )
         return outcome

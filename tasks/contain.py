@@ -20,7 +20,7 @@ from __future__ import annotations
 import uuid
 
 from medic.incidents import Scope
-from medic.policy import Action, Decision
+from medic.policy import Action, Decision, Mode
 from medic.policy.model import DESTRUCTIVE
 from medic.statuses import StepStatus
 from medic.store.metrics import CONTAIN_STAGE
@@ -42,7 +42,7 @@ def contain(rt: Runtime, incident_id: str, node: str, scope: Scope) -> Decision 
     if scope != "node":
         return None  # a switch-wide incident is never acted on node by node
     decision = evaluate(rt, incident_id)
-    if decision.action not in CONTAINED or decision.approve:
+    if decision.action not in CONTAINED or decision.approve or decision.mode is Mode.OBSERVE:
         return None
     with stage(
         rt.store, incident_id, STAGE, node=node, why=f"{decision.action.value} by rule {decision.rule}"

@@ -9,9 +9,9 @@ from medic.ageing import PastIncident
 from medic.context import Context
 from medic.facts import HISTORY_WINDOW, facts_of
 from medic.incidents import Incident, Scope, Storms
-from medic.policy import Decision, decide, guardrails
+from medic.policy import Decision, Mode, decide, groups, guardrails
 from medic.policy.guardrails import HOUR, FleetState
-from medic.policy.model import DESTRUCTIVE, Policy
+from medic.policy.model import DESTRUCTIVE, Guardrails, Policy
 from medic.protocols import DiagnosticResult, NodeInfo
 from medic.store import utcnow
 from medic.store.tables import DiagnosticRecord
@@ -79,19 +79,27 @@ def counted_out_of_service(nodes: list[NodeInfo], *, by_others: bool) -> frozens
 
 
 def fleet_state(
-    rt: Runtime, policy: Policy, now: datetime, nodes: list[NodeInfo], incident_id: str | None = None
+    rt: Runtime,
+    policy: Policy,
+    now: datetime,
+    nodes: list[NodeInfo],
+    incident_id: str | None = None,
+    rails: Guardrails | None = None,
 ) -> FleetState:
     """The fleet as the guardrails must see it: the scheduler's nodes and our recorded actions.
 
     For a decision on `incident_id`, that incident's own destructive actions are not counted: one
     its earlier run carried out before it died is the same fault's action, which `act` finds done
-    and never repeats, not another that the hourly cap and the node's cooldown hold back."""
-    rails = policy.guardrails
+    and never repeats, not another that the hourly cap and the node's cooldown hold back. With a
+    group's `rails`, `nodes` are the group's and only actions on them count."""
+    rails = rails or policy.guardrails
+    names = frozenset(n.name for n in nodes)
     cooldown = timedelta(minutes=rails.node_cooldown_minutes or 0)
     destructive = [
         a
         for a in rt.store.actions_since(now - max(HOUR, cooldown), [a.value for a in DESTRUCTIVE])
-        if incident_id is None or a.incident_id != incident_id
+        if (incident_id is None or a.incident_id != incident_id)
+        and (rails is policy.guardrails or a.node in names)
     ]
     window = timedelta(minutes=rails.circuit_breaker.window_minutes if rails.circuit_breaker else 0)
     drains = rt.store.actions_since(now - window, ["drain"])
@@ -99,6 +107,8 @@ def fleet_state(
     # them idle: they count, so that remediation and sweeps together stay within the limits.
     reservations = rt.backends.reservations
     reserved = reservations.reserved_nodes() if reservations is not None else frozenset()
+    if rails is not policy.guardrails:
+        reserved = reserved & names
     return FleetState(
         now=now,
         fleet_size=len(nodes),
@@ -111,13 +121,42 @@ def fleet_state(
     )
 
 
+def check_rails(
+    rt: Runtime,
+    policy: Policy,
+    now: datetime,
+    nodes: list[NodeInfo],
+    node: str,
+    decision: Decision,
+    scope: Scope = "node",
+) -> tuple[FleetState, tuple[str, str] | None]:
+    """The fleet's state and the first guardrail the decision would break: the policy's over the
+    fleet, then those of the node's group, as the scheduler shows the node now, over the group's
+    nodes (medic/policy/groups.py)."""
+    state = fleet_state(rt, policy, now, nodes, decision.incident)
+    stopped = guardrails.check(policy.guardrails, state, node, decision, scope)
+    info = next((n for n in nodes if n.name == node), None) or groups.unknown_node(node)
+    group = groups.place(policy, info).group if policy.groups else None
+    rails = groups.group_rails(policy, group)
+    if stopped is not None or group is None or rails is None:
+        return state, stopped
+    inside = groups.members(group, nodes)
+    mine = fleet_state(rt, policy, now, [n for n in nodes if n.name in inside], decision.incident, rails)
+    hit = guardrails.check(rails, mine, node, decision, scope)
+    return state, (hit[0], f"{hit[1]} in group {group.name}") if hit else None
+
+
 def evaluate(rt: Runtime, incident_id: str) -> Decision:
-    """Decide on the incident as the store knows it now, with the policy file as it is now."""
+    """Decide on the incident as the store knows it now, with the policy file as it is now, and the
+    node's group as the scheduler shows the node now."""
     incident = load_incident(rt, incident_id)
     loaded = rt.policy()
     policy = loaded.policy
     now = utcnow()
     nodes = rt.backends.scheduler.nodes()
+    placement = groups.place_all(
+        policy, incident.nodes if incident.scope == "switch" else [incident.node], nodes
+    )
     context = Context(
         rt.store.events_between(now - policy.lookback(), now),
         switch_sizes=switch_sizes(nodes),
@@ -131,12 +170,12 @@ def evaluate(rt: Runtime, incident_id: str) -> Decision:
         context=context,
         gpu_history=gpu_history(rt, incident, policy, now),
     )
-    state = fleet_state(rt, policy, now, nodes, incident_id)
-    decision = guardrails.apply(
-        policy.guardrails, state, incident.node, decide(policy, facts, loaded.sha256), incident.scope
-    )
+    decided = decide(groups.policy_for(policy, placement.group), facts, loaded.sha256)
+    state, stopped = check_rails(rt, policy, now, nodes, incident.node, decided, incident.scope)
+    decision = groups.in_mode(guardrails.stop(decided, stopped) if stopped else decided, placement)
     guard = (decision.guardrail, decision.reason) if decision.guardrail else None
-    record_breaker_trip(rt, state, guard, incident_id)
+    if placement.mode is not Mode.OBSERVE:  # a node only watched never opens the fleet's breaker
+        record_breaker_trip(rt, state, guard, incident_id)
     rt.store.add_decision(decision, loaded.path, facts=record_facts(facts))
     return decision
 

@@ -39,9 +39,9 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
 from medic.errors import MedicError, PermanentError, TransientError
-from medic.policy import Decision, guardrails
+from medic.policy import Decision
 from medic.store import utcnow
-from medic.tasks.evidence import fleet_state, record_breaker_trip
+from medic.tasks.evidence import check_rails, record_breaker_trip
 from medic.tasks.runtime import Runtime
 
 log = logging.getLogger("medic.guard")
@@ -88,8 +88,7 @@ def guarded(
 
     def recheck() -> tuple[str, str] | None:
         policy = rt.policy().policy
-        state = fleet_state(rt, policy, utcnow(), rt.backends.scheduler.nodes(), decision.incident)
-        stopped = guardrails.check(policy.guardrails, state, node, decision)
+        state, stopped = check_rails(rt, policy, utcnow(), rt.backends.scheduler.nodes(), node, decision)
         record_breaker_trip(rt, state, stopped, decision.incident)
         return stopped
 

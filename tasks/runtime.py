@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import pwd
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from medic.integrations.registry import Backends
 from medic.policy import LoadedPolicy, PolicyError, load_policy
 from medic.policy.approvers import Approvers, UserDirectory, is_email, resolve
 from medic.store import Store, utcnow
+from medic.store.modes import OTHER_NODES
 
 log = logging.getLogger("medic.runtime")
 
@@ -114,6 +117,7 @@ class Runtime:
     _said: str | None = field(default=None, repr=False)  # the state of the file logged last
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _approvers: ApproverCache = field(default_factory=ApproverCache, repr=False)
+    _modes_of: str | None = field(default=None, repr=False)  # the policy whose modes were recorded
 
     def policy(self) -> LoadedPolicy:
         """Read the policy file now, so an edit applies to the next incident without a restart.
@@ -150,8 +154,37 @@ class Runtime:
                 f"policy {loaded.path} {again}sha256 {loaded.sha256[:12]} in force",
                 loaded.sha256,
             )
+            record = self._modes_of != loaded.sha256
+            self._modes_of = loaded.sha256
+        if record:
+            self._record_modes(loaded)
         self._approvers.refresh(loaded.policy.approvals.approvers, self._directory())
         return loaded
+
+    def _record_modes(self, loaded: LoadedPolicy) -> None:
+        """Put each mode the newly read policy changes in the audit trail (decision 0017), once per
+        version of the file in this process, and in the store once whatever the number of replicas."""
+        policy = loaded.policy
+        modes = {OTHER_NODES: policy.mode.value, **{g.name: g.mode.value for g in policy.groups}}
+        by = file_owner(self.policy_path)
+        try:
+            changed = self.store.record_modes(
+                modes, by=by, policy_path=loaded.path, policy_sha256=loaded.sha256
+            )
+        except Exception as error:  # the store's trouble is every stage's; this one tries at the next read
+            with self._lock:
+                self._modes_of = None
+            log.warning("mode changes of policy %s not recorded: %s", loaded.sha256[:12], error)
+            return
+        for row in changed:
+            log.info(
+                "nodes of %s now run in %s (were %s): policy %s by %s",
+                "the policy" if row.node_group == OTHER_NODES else f"group {row.node_group}",
+                row.mode or "the policy's mode (group removed)",
+                row.previous or "in no group",
+                loaded.sha256[:12],
+                by,
+            )
 
     def policy_status(self) -> PolicyStatus:
         """Read the policy file as an incident would, and say how it went; never raises."""
@@ -183,6 +216,14 @@ class Runtime:
         if state != self._said:
             self._said = state
             log.log(level, text)
+
+
+def file_owner(path: Path | str) -> str:
+    """Who a change of the policy file is put down to: its owner, else whoever runs GPU Medic."""
+    try:
+        return pwd.getpwuid(os.stat(path).st_uid).pw_name
+    except (OSError, KeyError):
+        return os.environ.get("USER") or "unknown"
 
 
 _current: Runtime | None = None

@@ -28,6 +28,7 @@ from medic.intake import read_lines
 from medic.integrations import registry
 from medic.integrations.sim.fleet import SimFleet
 from medic.integrations.sim.notifier import RecordingNotifier
+from medic.policy import LoadedPolicy
 from medic.protocols import Message
 from medic.store import Store
 from medic.tasks.runtime import Runtime, configure
@@ -146,11 +147,32 @@ def build_scenario(now: datetime | None = None) -> Scenario:
         "gpu-node-5: NaN loss at iteration 8,215 in vision-ft, then the job crashes",
         "gpu-node-2: DCGM's health watch flags low memory bandwidth on GPU 2; comparing the job's ranks"
         " with their peers names rank 1 there as the straggler",
-        "gpu-node-7: a lone NCCL timeout",
+        "gpu-node-7: a lone NCCL timeout; its group, canary, is in observe mode: GPU Medic only says what it"
+        " would do",
         "leaf-3: all four nodes under the switch report NCCL timeouts at once",
         "two malformed lines in the feed",
     ]
     return Scenario(fleet, lines, story)
+
+
+# Beside the nodes GPU Medic remediates, two it only watches, as a rollout starts (docs/policy.md#groups-and-modes).
+DEMO_GROUPS = """
+# Added by `medic demo`: two nodes watched only, beside the rest of the fleet remediated.
+groups:
+  - name: canary
+    description: Watched only while GPU Medic earns its trust
+    select: {hostlist: ["gpu-node-[7-8]"]}
+    mode: observe
+"""
+
+
+def demo_policy(loaded: LoadedPolicy, home: Path) -> Path:
+    """The policy in force with the demo's observed group, unless it has groups of its own."""
+    if loaded.policy.groups:
+        return Path(loaded.path)
+    path = home / "demo-policy.yaml"
+    path.write_bytes(Path(loaded.path).read_bytes() + DEMO_GROUPS.encode())
+    return path
 
 
 # How long the demo's approver waits for a run to pause for its answer.
@@ -258,13 +280,14 @@ def demo(
     backends, notifier = simulated_backends(scenario)
     loaded = load_policy_or_exit(None)
     store = Store(f"sqlite:///{database}")
-    rt = configure(Runtime(store, backends, Path(loaded.path), settings.artifact_root))
+    policy = demo_policy(loaded, settings.home)
+    rt = configure(Runtime(store, backends, policy, settings.artifact_root))
 
     console.rule("[bold]GPU Medic demo[/bold]: 8 simulated nodes, 2 training jobs")
     for line in scenario.story:
         console.print(f"  • {line}")
     console.print('  • the policy asks a human before replacing a node: the demo answers as one ("demo")')
-    console.print(f"[dim]events: {events_file}; store: {database}; policy: {loaded.path}[/dim]\n")
+    console.print(f"[dim]events: {events_file}; store: {database}; policy: {policy}[/dim]\n")
     intake = read_lines(scenario.lines, events_file.name)
     dispatch = run_flows(remediate_all(rt, intake))
 

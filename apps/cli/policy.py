@@ -12,12 +12,13 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from medic.apps.cli._common import EventsArgument, console, err, load_policy_or_exit, report_rejections
+from medic.apps.cli._common import console, err, load_policy_or_exit, report_rejections
 from medic.config import load_settings
 from medic.intake import read_file
-from medic.policy import PolicyError, load_policy
+from medic.policy import PolicyError, decide, groups, load_policy
 from medic.policy.explain import describe, trace
 from medic.policy.model import Policy
+from medic.protocols import NodeInfo, NodeState
 from medic.shipped import SHIPPED_POLICY
 from medic.triage import replay
 from medic.whatif.replay import ChangeLimit
@@ -39,7 +40,9 @@ def policy_check(files: Annotated[list[Path], typer.Argument(help="Policy files.
             for problem in error.problems:
                 err.print(str(problem), markup=False, highlight=False)
             continue
-        console.print(f"{path}: ok ({len(loaded.policy.rules)} rules, sha256 {loaded.sha256[:12]})")
+        policy = loaded.policy
+        grouped = f", {len(policy.groups)} node groups" if policy.groups else ""
+        console.print(f"{path}: ok ({len(policy.rules)} rules{grouped}, sha256 {loaded.sha256[:12]})")
     if failed:
         raise typer.Exit(1)
 
@@ -81,16 +84,53 @@ def policy_schema(
 @policy_app.command("explain")
 def policy_explain(
     file: Annotated[Path, typer.Argument(help="Policy file.")],
-    events: EventsArgument,
+    events: Annotated[
+        Path | None,
+        typer.Argument(help="Events, one JSON object per line (none: only --node's group).", dir_okay=False),
+    ] = None,
     fleet_size: Annotated[int | None, typer.Option(min=1, help="Nodes in the fleet.")] = None,
+    node: Annotated[str | None, typer.Option(help="Say which group this node is in, and why.")] = None,
+    partition: Annotated[
+        list[str] | None, typer.Option(help="The node's partitions, as the scheduler lists them (repeat).")
+    ] = None,
+    feature: Annotated[list[str] | None, typer.Option(help="The node's features (repeat).")] = None,
+    gpu_model: Annotated[str | None, typer.Option(help="Its GPUs' type, as gres names it (h100).")] = None,
+    gpus: Annotated[int | None, typer.Option(min=1, help="Its number of GPUs.")] = None,
 ) -> None:
-    """For each incident: the facts, every rule that matched or why not, and the winner."""
+    """For each incident: the node's group and mode, the facts, every rule that matched or why not, and
+    the winner. With --node (and what the scheduler says of it), the group that node is in and why."""
     loaded = load_policy_or_exit(file)
+    if events is None and node is None:
+        err.print("error: give EVENTS, --node, or both", markup=False, highlight=False)
+        raise typer.Exit(2)
+    if events is not None and not events.is_file():
+        err.print(f"error: {events} is not a file", markup=False, highlight=False)
+        raise typer.Exit(2)
+    given = NodeInfo(
+        name=node or "",
+        state=NodeState.UNKNOWN,
+        gpus=gpus or 0,
+        partitions=tuple(partition) if partition is not None else None,
+        features=tuple(feature) if feature is not None else None,
+        gpu_model=gpu_model,
+    )
+    if node is not None:
+        _print_placement(groups.place(loaded.policy, given))
+    if events is None:
+        return
     intake = read_file(events)
     report_rejections(intake)
     for result in replay(intake.events, loaded, fleet_size):
-        decision = result.decision
         console.rule(f"{result.incident.id} on {result.incident.subject}")
+        names = [result.incident.node] if result.incident.scope == "node" else result.incident.nodes
+        placement = groups.place_all(loaded.policy, names, [given] if node else [])
+        effective = groups.policy_for(loaded.policy, placement.group)
+        # A group's own rules and approvals: decided again with them (the replay's has the policy's).
+        decided = (
+            result.decision if effective is loaded.policy else decide(effective, result.facts, loaded.sha256)
+        )
+        decision = groups.in_mode(decided, placement)
+        _print_placement(placement)
         facts = Table.grid(padding=(0, 2))
         for name, value in describe(result.facts).items():
             facts.add_row(name, value)
@@ -98,7 +138,7 @@ def policy_explain(
         rules = Table(title_justify="left")
         for column in ("rule", "action", "matched", "because / failed on"):
             rules.add_column(column, overflow="fold")
-        for t in trace(loaded.policy, result.facts):
+        for t in trace(effective, result.facts):
             if t.matched:
                 status, why = "[green]yes[/green]", "; ".join(t.reasons)
             else:
@@ -113,11 +153,23 @@ def policy_explain(
         console.print(
             f"Decision: {winner}. Precedence: override, then action rank, then priority, then order."
         )
+        if groups.observed(decision):
+            console.print(
+                f"[yellow]Observe mode[/yellow]: GPU Medic would only say it would {decision.action.value}."
+            )
         if decision.guardrail:
             console.print(
                 f"[magenta]Guardrail {decision.guardrail}[/magenta] stopped {decision.blocked_action}."
             )
-        console.print(f"[dim]{decision.reason}[/dim]")
+        console.print(f"[dim]{escape(decision.reason)}[/dim]")
+
+
+def _print_placement(placement: groups.Placement) -> None:
+    mode = f"[bold]{placement.mode.value}[/bold]"
+    if placement.problem:
+        console.print(f"Group: [red]undecidable[/red], mode {mode}: {escape(placement.problem)}")
+    else:
+        console.print(f"Group: {placement.group_name or '(none)'}, mode {mode}: {escape(placement.why)}")
 
 
 @policy_app.command("test")

@@ -98,9 +98,10 @@ def incident_view(detail: IncidentDetail) -> Group:
     for column in ("at", "action", "rule", "reason", "policy"):
         decisions.add_column(column, overflow="fold")
     for d in detail.decisions:
-        decisions.add_row(
-            f"{d.decided_at:%H:%M:%S}", action_text(d.action), d.rule, d.reason, d.policy_sha256[:12]
-        )
+        action = action_text(d.action)
+        if d.mode_said():
+            action.append(f" ({d.mode_said()})", style="dim")
+        decisions.add_row(f"{d.decided_at:%H:%M:%S}", action, d.rule, d.reason, d.policy_sha256[:12])
     actions = Table(title="Actions (intent → outcome)", title_justify="left")
     for column in ("action", "node", "status", "detail"):
         actions.add_column(column, overflow="fold")

@@ -58,6 +58,10 @@ class SimNode:
     booted_at: datetime | None = None
     replaced: int = 0
     gpu_resets: int = 0
+    # What a node group selects on; None plays a scheduler that does not say (decision 0017).
+    partitions: tuple[str, ...] | None = ("gpu",)
+    features: tuple[str, ...] | None = ()
+    gpu_model: str | None = "h100"
 
 
 @dataclass(frozen=True, slots=True)

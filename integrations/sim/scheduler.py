@@ -16,7 +16,16 @@ class SimScheduler:
 
     def _info(self, name: str) -> NodeInfo:
         node = self.fleet.node(name)
-        return NodeInfo(node.name, node.state, node.reason, node.switch, node.gpus)
+        return NodeInfo(
+            node.name,
+            node.state,
+            node.reason,
+            node.switch,
+            node.gpus,
+            partitions=node.partitions,
+            features=node.features,
+            gpu_model=node.gpu_model,
+        )
 
     def nodes(self) -> list[NodeInfo]:
         with self.fleet.lock:
@@ -89,6 +98,10 @@ class SimScheduler:
             job.restarts += 1
             self._free(left)
             return self._job_info(job)
+
+    def readmit(self, job_id: str, node: str) -> bool:
+        """Nothing to lift: a simulated requeue starts the job at once or fails, it never waits."""
+        return False
 
     def reserve(self, nodes: Sequence[str], minutes: int, reason: str) -> str:
         with self.fleet.lock:

@@ -19,10 +19,10 @@ taken for idle, free or in service.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from medic.hostlist import expand_hostlist
 from medic.integrations.slurm.errors import UnreadableSlurmDataError, UnsupportedSlurmFormatError
 from medic.protocols import JobInfo, JobState, NodeInfo, NodeState
 
@@ -31,6 +31,7 @@ MEDIC_PREFIX = "medic:"
 
 # A gres entry: "gpu:8", "gpu:a100:8", "gpu:a100:8(S:0-1)".
 _GPU_GRES = re.compile(r"^gpu(?::[^:(]+)?:(\d+)")
+_GPU_MODEL = re.compile(r"^gpu:([^:(]+):\d+")
 # "owner=alice" anywhere in a job comment, separated by spaces, commas or semicolons.
 _OWNER = re.compile(r"(?:^|[\s,;])owner=([^\s,;]+)")
 # "data_parser/v0.0.42", "openapi/v0.0.38", "v0.0.42"
@@ -192,6 +193,10 @@ class SlurmNode:
     flags: frozenset[str]  # DRAIN, FAIL, REBOOT_REQUESTED, REBOOT_ISSUED, NOT_RESPONDING, ...
     reason: str | None  # as set, without the " [user@time]" that scontrol shows
     gpus: int
+    # For the policy's node groups; None where the record does not say (trimmed fields, another shape).
+    partitions: tuple[str, ...] | None = None
+    features: tuple[str, ...] | None = None
+    gpu_model: str | None = None
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], gen: int = 38) -> SlurmNode:
@@ -235,6 +240,10 @@ class SlurmNode:
             flags=frozenset(w for w in words if w not in _NODE_BASES),
             reason=_optional_string(raw, "reason", subject) or None,
             gpus=gpu_count(_optional_string(raw, "gres", subject)),
+            partitions=_names(raw.get("partitions")),
+            # What a job's --constraint matches: the active features, where Slurm tells them apart.
+            features=_names(raw.get("active_features", raw.get("features"))),
+            gpu_model=gpu_model(_optional_string(raw, "gres", subject)),
         )
 
     @property
@@ -271,7 +280,31 @@ class SlurmNode:
         return "+".join([self.base.upper(), *sorted(self.flags)])
 
     def info(self) -> NodeInfo:
-        return NodeInfo(name=self.name, state=self.state, reason=self.reason, gpus=self.gpus)
+        return NodeInfo(
+            name=self.name,
+            state=self.state,
+            reason=self.reason,
+            gpus=self.gpus,
+            partitions=self.partitions,
+            features=self.features,
+            gpu_model=self.gpu_model,
+        )
+
+
+def _names(value: Any) -> tuple[str, ...] | None:
+    """A comma-separated string (22.05) or a list of strings (23.02 on) as names; None for anything
+    else: a node group that needs the list then cannot be decided, rather than taken for empty."""
+    if isinstance(value, str):
+        return tuple(n.strip() for n in value.split(",") if n.strip())
+    if isinstance(value, list) and all(isinstance(n, str) for n in value):
+        return tuple(value)
+    return None
+
+
+def gpu_model(gres: str) -> str | None:
+    """The GPUs' type as gres names it (`gpu:h100:8` → h100); None when it names none, or several."""
+    models = {m.group(1) for entry in gres.split(",") if (m := _GPU_MODEL.match(entry.strip()))}
+    return models.pop() if len(models) == 1 else None
 
 
 def gpu_count(gres: str) -> int:
@@ -283,29 +316,6 @@ def gpu_count(gres: str) -> int:
     return total
 
 
-def expand_hostlist(expression: str) -> tuple[str, ...]:
-    """A Slurm hostlist expression as names: "gpu-node-[1-2,4],login1" → gpu-node-1, gpu-node-2, ..."""
-    names: list[str] = []
-    for part in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", expression):
-        names.extend(_expand_one(part.strip()))
-    return tuple(n for n in names if n)
-
-
-def _expand_one(part: str) -> Iterable[str]:
-    match = re.search(r"\[([^\]]*)\]", part)
-    if not match:
-        return [part]
-    head, tail = part[: match.start()], part[match.end() :]
-    out: list[str] = []
-    for item in match.group(1).split(","):
-        low, _, high = item.partition("-")
-        if not low.isdigit() or (high and not high.isdigit()):
-            raise ValueError(f"not a hostlist range: {item!r} in {part!r}")
-        for number in range(int(low), int(high or low) + 1):
-            out.extend(_expand_one(f"{head}{number:0{len(low)}d}{tail}"))
-    return out
-
-
 @dataclass(frozen=True, slots=True)
 class SlurmJob:
     id: str
@@ -315,6 +325,7 @@ class SlurmJob:
     nodes: tuple[str, ...]  # the nodes it holds (or last held); empty while pending
     restarts: int
     excluded: str  # its ExcNodeList as a Slurm hostlist expression, "" for none
+    reason: str = ""  # why a pending job waits (squeue's state_reason: Resources, BeginTime, ...); "" unknown
 
     @classmethod
     def from_json(cls, raw: dict[str, Any], gen: int = 38) -> SlurmJob:
@@ -346,6 +357,7 @@ class SlurmJob:
             nodes=nodes,
             restarts=restarts,
             excluded=_optional_string(raw, "excluded_nodes", subject),
+            reason=_optional_string(raw, "state_reason", subject),
         )
 
     @property
@@ -432,15 +444,25 @@ def _job_nodes(raw: dict[str, Any], gen: int, subject: str) -> tuple[str, ...]:
 
 
 def boot_time(raw: dict[str, Any], name: str) -> int | None:
-    """`boot_time` of a node record: an integer in v0.0.38, {"set", "infinite", "number"} from v0.0.39."""
+    """`boot_time` of a node record, epoch seconds; None before slurmd ever registered."""
     value = raw.get("boot_time")
+    try:
+        return epoch(value)
+    except ValueError:
+        raise UnreadableSlurmDataError(
+            f"node {name}", "boot_time", f"is {value!r}: no way to prove a reboot happened"
+        ) from None
+
+
+def epoch(value: Any) -> int | None:
+    """A time Slurm writes in epoch seconds (`boot_time`, `reason_changed_at`): an integer in v0.0.38,
+    {"set", "infinite", "number"} from v0.0.39. None when unset, infinite or 0 (never happened);
+    ValueError for any other shape."""
     number = value
     if isinstance(value, dict):
         if value.get("set") is False or value.get("infinite") is True:
             return None
         number = value.get("number")
     if isinstance(number, bool) or not isinstance(number, int):
-        raise UnreadableSlurmDataError(
-            f"node {name}", "boot_time", f"is {value!r}: no way to prove a reboot happened"
-        )
-    return number or None  # 0: slurmd never registered
+        raise ValueError(f"{value!r} is not epoch seconds")
+    return number or None

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime
 
+from medic.hostlist import expand_hostlist
 from medic.integrations.slurm.cli import SlurmCli
 from medic.integrations.slurm.errors import (
     NodeHeldByOthersError,
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 HELD_REASONS = frozenset({"JobHeldUser", "JobHeldAdmin"})
 REQUEUED_HELD = "requeued in held state"
 RELEASE_TRIES = 3
+# squeue's reasons for a job that is eligible to start but finds no nodes it may use: busy ones
+# (Resources), unavailable ones, or too few left by its ExcNodeList (BadConstraints).
+WAITING_FOR_NODES = ("Resources", "ReqNodeNotAvail", "BadConstraints")
 TOPOLOGY_TTL_S = 600.0  # switches change with recabling, not by the minute
 
 
@@ -151,6 +155,25 @@ class SlurmScheduler(SlurmReservations, SlurmSpares):
         if after is None:
             raise UnknownJobError(job_id)
         return after
+
+    def readmit(self, job_id: str, node: str) -> bool:
+        """Take `node` out of the ExcNodeList of a job that waits for nodes (WAITING_FOR_NODES); the
+        other nodes it bars stay barred. A job that waits for anything else
+        (its begin time after a requeue, a hold), whose reason Slurm does not give, or that runs or
+        ended, is left alone: it may yet start elsewhere."""
+        job = self._slurm_job(job_id)
+        if (
+            job is None
+            or job.job_state is not JobState.PENDING
+            or not job.reason.startswith(WAITING_FOR_NODES)
+        ):
+            return False
+        barred = expand_hostlist(job.excluded)
+        if node not in barred:
+            return False
+        # An empty ExcNodeList clears it: the job may use any node again.
+        self._exclude(job_id, ",".join(n for n in barred if n != node))
+        return True
 
     def _requeue_held(self, job_id: str) -> None:
         # Marked before the call, and kept after a timeout: the requeuehold may have taken effect

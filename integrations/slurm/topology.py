@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import shlex
 
+from medic.hostlist import expand_hostlist
 from medic.integrations.slurm.cli import SlurmCli
-from medic.integrations.slurm.records import expand_hostlist
 from medic.topology import Switch, Topology
 
 

@@ -125,8 +125,11 @@ def apply(
     guardrails: Guardrails, state: FleetState, node: str, decision: Decision, scope: Scope = "node"
 ) -> Decision:
     stopped = check(guardrails, state, node, decision, scope)
-    if stopped is None:
-        return decision
+    return decision if stopped is None else stop(decision, stopped)
+
+
+def stop(decision: Decision, stopped: tuple[str, str]) -> Decision:
+    """The decision escalated instead, naming the guardrail that stopped it and why."""
     name, why = stopped
     return decision.model_copy(
         update={

@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from medic.errors import PermanentError
-from medic.policy.model import DuplicateRuleId, Policy
+from medic.policy.model import DuplicateRuleId, Located, Policy
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -165,14 +165,6 @@ class PolicyProblem:
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}:{self.column}: {self.message}"
-
-
-class Located(ValueError):
-    """A model's own check that knows where its problem is: the loader reports it at `loc`'s line."""
-
-    def __init__(self, loc: tuple[int | str, ...], message: str) -> None:
-        super().__init__(message)
-        self.loc = loc
 
 
 class PolicyError(PermanentError):

@@ -29,6 +29,7 @@ from medic.events import EventKind
 from medic.incidents import StormRule, Storms
 from medic.policy.approvers import APPROVER_PATTERN, check_entry
 from medic.policy.deep_checks import DeepChecks
+from medic.policy.selectors import Mode, Selector, overlap
 from medic.xid import RecoveryAction, Resolution
 
 # Windows, gaps and cooldowns are bounded: a duration of a year is already beyond any rule's
@@ -78,6 +79,14 @@ class DuplicateRuleId(PermanentError, ValueError):
     def __init__(self, rule_id: str, index: int) -> None:
         super().__init__(f"rule id {rule_id!r} is used twice")
         self.index = index
+
+
+class Located(ValueError):
+    """A model's own check that knows where its problem is: the loader reports it at `loc`'s line."""
+
+    def __init__(self, loc: tuple[int | str, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
 
 
 class _Strict(BaseModel):
@@ -371,9 +380,77 @@ class Spares(_Strict):
     )
 
 
+class GroupGuardrails(_Strict):
+    """Limits over a group's own nodes, held besides the policy's (which still count the whole fleet):
+    an NVL72 rack that may lose one tray at a time, say. The circuit breaker stays the fleet's."""
+
+    max_out_of_service: PositiveInt | None = Field(
+        None, description="The group's nodes out of service at once."
+    )
+    max_out_of_service_percent: float | None = Field(
+        None,
+        gt=0,
+        le=100,
+        description="Of the group's nodes (rounded up, so a small group can still fix one).",
+    )
+    max_destructive_per_hour: PositiveInt | None = Field(
+        None, description="reset_gpu, reboot and replace on the group's nodes."
+    )
+    node_cooldown_minutes: NonNegativeInt | None = Field(
+        None, le=MAX_MINUTES, description="Minimum time between two destructive actions on one of its nodes."
+    )
+    never_touch: list[str] = Field(
+        default_factory=list, description="More node names or shell patterns never acted on."
+    )
+
+
+class GroupApprovals(_Strict):
+    """What a group changes of `approvals` for its nodes; the approvers stay the policy's, whom the Slack
+    buttons check. A key left out keeps the policy's value."""
+
+    required_for: list[Action] | None = Field(None, description="Instead of the policy's list.")
+    timeout_minutes: float | None = Field(None, gt=0, le=MAX_MINUTES)
+    on_timeout: Literal["escalate", "proceed"] | None = None
+
+
+GROUP_NAME = r"^[a-z0-9][a-z0-9_.-]*$"
+
+
+class Group(_Strict):
+    """Nodes picked by what the scheduler says of them, with their own mode and, optionally, their own
+    limits, approvals and rules (docs/policy.md#groups)."""
+
+    name: str = Field(pattern=GROUP_NAME)
+    description: str = ""
+    select: Selector
+    mode: Mode = Field(
+        description="observe: tell what would be done; contain: drain and move jobs off, "
+        "repairs need approval; remediate: act."
+    )
+    guardrails: GroupGuardrails | None = Field(
+        None, description="Limits over the group's own nodes, besides the policy's over the fleet."
+    )
+    approvals: GroupApprovals | None = Field(
+        None,
+        description="What changes of `approvals` for the group's nodes (the approvers stay the policy's).",
+    )
+    rules: list[Rule] = Field(
+        default_factory=list,
+        description="More rules for the group's nodes, decided with the policy's (ids unique across the policy).",
+    )
+
+
 class Policy(_Strict):
     version: Literal[1] = 1
     description: str = ""
+    mode: Mode = Field(
+        Mode.REMEDIATE, description="For every node no group takes: observe, contain or remediate."
+    )
+    groups: list[Group] = Field(
+        default_factory=list,
+        description="Node groups, each with its mode; a node in none takes `mode`, a node in two has none "
+        "(its incidents escalate).",
+    )
     defaults: Defaults = Field(default_factory=Defaults)
     owners: dict[str, str] = Field(
         default_factory=dict, description="Owner or team name -> Slack channel or user."
@@ -387,21 +464,27 @@ class Policy(_Strict):
     spares: Spares = Field(default_factory=Spares)
     rules: list[Rule]
 
+    def every_rule(self) -> list[Rule]:
+        """The policy's rules and its groups': what any decision may read of the context."""
+        return [*self.rules, *(r for g in self.groups for r in g.rules)]
+
     def lookback(self) -> timedelta:
         """How far back cross-node conditions look: the context a decision needs."""
-        minutes = [c.within_minutes for r in self.rules for c in r.when.count or ()]
-        minutes += [r.when.switch.within_minutes for r in self.rules if r.when.switch]
+        rules = self.every_rule()
+        minutes = [c.within_minutes for r in rules for c in r.when.count or ()]
+        minutes += [r.when.switch.within_minutes for r in rules if r.when.switch]
         return timedelta(minutes=max(minutes, default=60))
 
     def gpu_history_lookback(self) -> timedelta:
         """How far back `gpu_incidents` conditions look at the node's earlier incidents (0: none)."""
-        days = [r.when.gpu_incidents.within_days for r in self.rules if r.when.gpu_incidents]
+        days = [r.when.gpu_incidents.within_days for r in self.every_rule() if r.when.gpu_incidents]
         return timedelta(days=max(days, default=0))
 
     def context_kinds(self) -> frozenset[EventKind]:
         """The kinds of events cross-node conditions look at: all a decision reads of the context."""
-        kinds = {k for r in self.rules for c in r.when.count or () for k in c.event_kinds()}
-        kinds.update(k for r in self.rules if r.when.switch for k in r.when.switch.kinds)
+        rules = self.every_rule()
+        kinds = {k for r in rules for c in r.when.count or () for k in c.event_kinds()}
+        kinds.update(k for r in rules if r.when.switch for k in r.when.switch.kinds)
         return frozenset(kinds)
 
     def storms(self, switch_sizes: Mapping[str, int] | None = None) -> Storms:
@@ -410,7 +493,7 @@ class Policy(_Strict):
             StormRule(
                 frozenset(c.kinds), timedelta(minutes=c.within_minutes), c.nodes_at_least, c.fraction_at_least
             )
-            for r in self.rules
+            for r in self.every_rule()
             if (c := r.when.switch) is not None
         )
         return Storms(rules, switch_sizes or {})
@@ -422,6 +505,27 @@ class Policy(_Strict):
             if rule.id in seen:
                 raise DuplicateRuleId(rule.id, index)
             seen.add(rule.id)
+        for g, group in enumerate(self.groups):
+            for index, rule in enumerate(group.rules):
+                if rule.id in seen:
+                    raise Located(("groups", g, "rules", index, "id"), f"rule id {rule.id!r} is used twice")
+                seen.add(rule.id)
+        return self
+
+    @model_validator(mode="after")
+    def _groups_apart(self) -> Policy:
+        """Every node in one group at most, as far as the file shows: a node two groups take has no mode."""
+        for b, later in enumerate(self.groups):
+            for earlier in self.groups[:b]:
+                if later.name == earlier.name:
+                    raise Located(("groups", b, "name"), f"group name {later.name!r} is used twice")
+                why = overlap(earlier.select, later.select)
+                if why is not None:
+                    raise Located(
+                        ("groups", b, "select"),
+                        f"group {later.name!r} overlaps group {earlier.name!r} ({why}): "
+                        "a node in both would have no mode; make the selectors exclusive",
+                    )
         return self
 
 
@@ -443,3 +547,5 @@ class Decision(_Strict):
     blocked_action: Action | None = Field(
         None, description="What the rule asked for, when a guardrail said no."
     )
+    mode: Mode = Field(Mode.REMEDIATE, description="The mode of the node's group when it was decided.")
+    group: str | None = Field(None, description="The node's group; None: no group took it.")

@@ -48,6 +48,7 @@ AUDITED: dict[str, Audited] = {
         # A fleet-wide fact: kept when the incident that opened it is pruned, so in no incident's chain.
         Audited("breaker", None),
         Audited("audit_prunes", None),
+        Audited("mode_changes", None),  # fleet-wide, like the breaker (decision 0017)
     )
 }
 

@@ -92,6 +92,8 @@ class StagesMixin(StoreBase):
             guardrail=decision.guardrail,
             blocked_action=decision.blocked_action.value if decision.blocked_action else None,
             facts=facts,
+            mode=decision.mode.value,
+            node_group=decision.group,
         )
         with self.session() as s:
             s.add(row)

@@ -15,6 +15,7 @@ from medic.store.events import EventsMixin
 from medic.store.goodput import GoodputMixin
 from medic.store.incidents import IncidentsMixin
 from medic.store.metrics import MetricsMixin
+from medic.store.modes import ModesMixin
 from medic.store.outbox import OutboxMixin
 from medic.store.prune import PruneMixin
 from medic.store.rejections import RejectionsMixin
@@ -34,6 +35,7 @@ class Store(
     ActionsMixin,
     ApprovalsMixin,
     BreakerMixin,
+    ModesMixin,
     GoodputMixin,
     MetricsMixin,
     AgeingMixin,

@@ -159,6 +159,17 @@ class DecisionRecord(SQLModel, table=True):
     # What the engine saw (medic.whatif.replay.FactsRecord), so that `medic policy replay` decides
     # again on the same facts; None for decisions recorded before it was kept.
     facts: dict[str, Any] | None = _json()
+    # The node's mode and group when it was decided (decision 0017); NULL before revision 0004, when
+    # every decision was acted on as `remediate` says.
+    mode: str | None = None
+    node_group: str | None = None
+
+    def mode_said(self) -> str:
+        """The mode and group in words where groups change anything ("observe mode, group canary");
+        "" for a node remediated as before groups existed."""
+        if not self.node_group and self.mode in (None, "remediate"):
+            return ""
+        return f"{self.mode} mode" + (f", group {self.node_group}" if self.node_group else "")
 
 
 class ActionRecord(SQLModel, table=True):
@@ -236,6 +247,24 @@ class BreakerRecord(SQLModel, table=True):
     incident_id: str | None = None
     closed_at: datetime | None = _time(nullable=True)
     closed_by: str | None = None
+
+
+class ModeChangeRecord(SQLModel, table=True):
+    """A change of the mode a node group (or the policy's other nodes, `*`) runs in, as a newly read
+    policy file made it: who owned the file, when it took effect, which file (decision 0017).
+    One row per group and policy version, however many replicas read the file."""
+
+    __tablename__ = "mode_changes"
+    __table_args__ = (UniqueConstraint("node_group", "policy_sha256"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    changed_at: datetime = _time()
+    node_group: str  # a group's name, or "*" for the nodes no group takes
+    mode: str | None  # None: the group was removed, its nodes take the policy's mode
+    previous: str | None  # None: the group is new
+    by: str
+    policy_path: str
+    policy_sha256: str
 
 
 class OutboxRecord(SQLModel, table=True):

@@ -12,6 +12,7 @@ import pytest
 from checkout import TEST_FIXTURES
 
 from medic.errors import PermanentError
+from medic.hostlist import expand_hostlist
 from medic.integrations.slurm import SlurmScheduler
 from medic.integrations.slurm.cli import SlurmCli
 from medic.integrations.slurm.errors import (
@@ -20,7 +21,7 @@ from medic.integrations.slurm.errors import (
     UnreadableSlurmDataError,
     UnsupportedSlurmFormatError,
 )
-from medic.integrations.slurm.records import GENERATIONS, expand_hostlist, generation, parse_jobs, parse_nodes
+from medic.integrations.slurm.records import GENERATIONS, generation, parse_jobs, parse_nodes
 from medic.protocols import JobState, NodeState
 
 FIXTURES = TEST_FIXTURES / "slurm"
@@ -323,3 +324,35 @@ def test_expand_hostlist() -> None:
         "gpu-node-1", "gpu-node-2", "gpu-node-3", "gpu-node-7", "login1", "n08", "n09", "n10"
     )  # fmt: skip
     assert expand_hostlist("") == ()
+
+
+def test_what_node_groups_select_on_is_read_and_what_is_not_given_stays_unknown() -> None:
+    """Partitions, features and the GPU type, for the policy's node groups (decision 0017)."""
+    (recorded, *_) = [n.info() for n in parse_nodes(load("v0.0.38-sinfo-a.json"))]
+    assert (recorded.partitions, recorded.features, recorded.gpu_model, recorded.gpus) == (
+        ("gpu",),
+        (),
+        None,
+        8,
+    )
+    doc = _mutated(
+        44,
+        "gpu-node-1",
+        partitions=["gpu", "all"],
+        features=["nvl72"],
+        active_features=["nvl72", "rack-a"],
+        gres="gpu:gb200:4(S:0-1)",
+    )
+    racked = next(n.info() for n in parse_nodes(doc) if n.name == "gpu-node-1")
+    assert (racked.partitions, racked.features, racked.gpu_model, racked.gpus) == (
+        ("gpu", "all"),
+        ("nvl72", "rack-a"),  # the active ones: what a job's --constraint matches
+        "gb200",
+        4,
+    )
+    # The trimmed 25.11 record names none of them: unknown, never taken for "none".
+    other = next(n.info() for n in parse_nodes(doc) if n.name != "gpu-node-1")
+    assert (other.partitions, other.features, other.gpu_model) == (None, None, None)
+    odd = _mutated(44, "gpu-node-1", partitions={"name": "gpu"}, gres="gpu:a100:4,gpu:h100:4")
+    mixed = next(n.info() for n in parse_nodes(odd) if n.name == "gpu-node-1")
+    assert (mixed.partitions, mixed.gpu_model, mixed.gpus) == (None, None, 8)

@@ -155,6 +155,68 @@ def test_explain_shows_dcgm_severity_and_category(tmp_path: Path) -> None:
     assert rule_rows(result.stdout)["dcgm-health-triage"][:2] == ["diagnose", "yes"]
 
 
+GROUPED = (
+    EXPLAINED.rstrip(" ")
+    + """\
+    groups:
+      - {name: canary, select: {hostlist: ["n[1-2]"]}, mode: observe}
+      - name: racks
+        select: {partitions: [gpu], features: [nvl72]}
+        mode: contain
+        rules:
+          - {id: rack-drain, description: Drain the tray, override: true, when: {xid: [79]},
+             then: {classification: hardware, action: drain}}
+    """
+)
+
+
+def test_explain_says_which_group_a_node_is_in_and_why(tmp_path: Path) -> None:
+    policy = write(tmp_path / "p.yaml", GROUPED)
+    result = runner.invoke(
+        app, ["policy", "explain", str(policy), "--node", "r7", "--partition", "gpu", "--feature", "nvl72"]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == (
+        "Group: racks, mode contain: r7 is in group racks (partition gpu; features nvl72)"
+    )
+    # Without its partitions, r7's group cannot be told: said, not guessed.
+    result = runner.invoke(app, ["policy", "explain", str(policy), "--node", "r7", "--feature", "nvl72"])
+    assert "Group: undecidable, mode observe: cannot tell whether r7 is in group racks: " in result.stdout
+    assert "the scheduler gives no partitions for it" in result.stdout
+
+
+def test_explain_decides_a_groups_node_with_its_rules_and_mode(tmp_path: Path) -> None:
+    policy = write(tmp_path / "p.yaml", GROUPED)
+    events = write_events(tmp_path / "e.jsonl", {"kind": "xid", "node": "r7", "attributes": {"code": 79}})
+    args = ["policy", "explain", str(policy), str(events), "--node", "r7", "--partition", "gpu"]
+    result = runner.invoke(app, [*args, "--feature", "nvl72"])
+    assert result.exit_code == 0, result.output
+    assert "Group: racks, mode contain" in result.stdout
+    assert rule_rows(result.stdout)["rack-drain"] == ["drain", "yes", "XID 79"]
+    assert "Decision: drain (hardware) by rule rack-drain." in result.stdout
+    observed = write_events(tmp_path / "o.jsonl", {"kind": "xid", "node": "n1", "attributes": {"code": 79}})
+    result = runner.invoke(
+        app, ["policy", "explain", str(policy), str(observed), "--node", "n1", "--feature", "ib"]
+    )
+    assert "Group: canary, mode observe" in result.stdout
+    assert "Observe mode: GPU Medic would only say it would drain." in result.stdout
+
+
+def test_check_refuses_overlapping_groups_at_their_line(tmp_path: Path) -> None:
+    policy = write(
+        tmp_path / "p.yaml",
+        GROUPED.replace('hostlist: ["n[1-2]"]', "partitions: [gpu], features: [nvl72, a]"),
+    )
+    result = runner.invoke(app, ["policy", "check", str(policy)])
+    assert result.exit_code == 1
+    line = next(n for n, text in enumerate(policy.read_text().splitlines(), 1) if "name: racks" in text)
+    assert result.stderr.startswith(f"{policy}:{line + 1}:")
+    assert (
+        "groups.1.select: group 'racks' overlaps group 'canary' (partition gpu; features a, nvl72)"
+        in result.stderr
+    )
+
+
 def test_explain_with_a_broken_policy_exits_2(tmp_path: Path) -> None:
     policy = write(tmp_path / "p.yaml", "version: 1\nrules: []\nfoo: 1\n")
     events = write_events(tmp_path / "events.jsonl", {"kind": "nan_loss", "node": "n1"})
@@ -313,6 +375,35 @@ def test_schema_output_file(tmp_path: Path) -> None:
     schema = json.loads(out.read_text(encoding="utf-8"))
     assert out.read_text(encoding="utf-8") == SCHEMA.read_text(encoding="utf-8")
     assert {"count", "switch", "dcgm_category"} <= set(schema["$defs"]["When"]["properties"])
+
+
+def test_the_schema_pins_node_groups_and_modes() -> None:
+    """The contract decision 0017 adds: a top-level `mode` (default remediate, as before), `groups`, each
+    with a name, a selector, a mode and its own limits, approvals and rules."""
+    schema = json.loads(SCHEMA.read_text(encoding="utf-8"))
+    defs = schema["$defs"]
+    assert schema["properties"]["mode"]["default"] == "remediate"
+    assert defs["Mode"]["enum"] == ["observe", "contain", "remediate"]
+    assert set(defs["Group"]["properties"]) == {
+        "name",
+        "description",
+        "select",
+        "mode",
+        "guardrails",
+        "approvals",
+        "rules",
+    }
+    assert set(defs["Group"]["required"]) == {"name", "select", "mode"}
+    assert set(defs["Selector"]["properties"]) == {
+        "partitions",
+        "hostlist",
+        "names",
+        "features",
+        "gpu_model",
+        "gpus",
+    }
+    assert "circuit_breaker" not in defs["GroupGuardrails"]["properties"]  # the breaker stays the fleet's
+    assert "approvers" not in defs["GroupApprovals"]["properties"]  # whom the Slack buttons check
 
 
 def test_the_default_policy_points_editors_at_the_schema() -> None:

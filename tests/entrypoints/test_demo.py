@@ -28,7 +28,7 @@ def test_demo_remediates_hardware_and_leaves_application_faults_alone(
         "gpu-node-3": ("hardware", "reboot", "closed"),
         "gpu-node-5": ("software", "none", "closed"),
         "gpu-node-2": ("hardware", "replace", "closed"),
-        "gpu-node-7": ("unknown", "none", "closed"),
+        "gpu-node-7": ("unknown", "diagnose", "escalated"),  # observed only: told, its fault people's
         "leaf-3": ("infrastructure", "escalate", "escalated"),
         # The nightly sweep: the idle node whose GPU 6 is wearing out, found before a job met it.
         "gpu-node-12": ("hardware", "replace", "closed"),
@@ -69,10 +69,12 @@ def test_demo_remediates_hardware_and_leaves_application_faults_alone(
     )
     assert "approved by demo: Approval needed: replace gpu-node-2" in result.output
     assert "↳ approved by demo via demo" in result.output
-    # The lone NCCL timeout was settled by a passing quick diagnostic, the node left in service.
+    # The lone NCCL timeout is on a node of the demo's observed group: decided, said, not touched.
     lone = store.incident_detail(incidents["gpu-node-7"].id)
-    assert lone is not None and [(d.level, d.result) for d in lone.diagnostics] == [(1, "pass")]
-    assert [a.action for a in lone.actions] == []
+    assert lone is not None and lone.diagnostics == [] and lone.actions == []
+    assert {(d.mode, d.node_group) for d in lone.decisions} == {("observe", "canary")}
+    assert "Would have: diagnose L1 gpu-node-7 (rule lone-nccl-timeout)" in result.output
+    assert {(d.mode, d.node_group) for d in reboot.decisions} == {("remediate", None)}  # beside it, acted on
     assert "Slack → #gpu-ops" in result.output
     # The switch storm was one incident about the switch, told to the network team, no node touched.
     storm = store.incident_detail(incidents["leaf-3"].id)

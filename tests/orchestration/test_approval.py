@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import threading
-import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
-from uuid import UUID
 
 import pytest
+from approval_support import paused_run, run_in_background
 from checkout import REPO_ROOT
 from factories import fault_event
-from prefect.client.orchestration import get_client
 from prefect.flow_runs import resume_flow_run
 
 from medic.flows.dispatch import Dispatch, remediate_all
@@ -53,36 +49,6 @@ def set_timeout(rt: Runtime, minutes: float) -> None:
 
 def xid79(node: str) -> list[str]:
     return [fault_event(id=f"appr-{node}", node=node, at=datetime.now(UTC)).model_dump_json()]
-
-
-def run_in_background(rt: Runtime, lines: list[str]) -> tuple[threading.Thread, dict[str, Any]]:
-    result: dict[str, Any] = {}
-
-    def target() -> None:
-        result["dispatch"] = asyncio.run(remediate_all(rt, read_lines(lines, "t.jsonl")))
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    return thread, result
-
-
-def paused_run(rt: Runtime, node: str, timeout_s: float = 60) -> UUID:
-    deadline = time.monotonic() + timeout_s
-
-    async def state(run_id: UUID) -> bool:
-        async with get_client() as client:
-            run = await client.read_flow_run(run_id)
-            return bool(run.state and run.state.is_paused())
-
-    while time.monotonic() < deadline:
-        found = rt.store.find_incidents(node=node)
-        if found and found[0].status == "waiting for approval" and found[0].flow_run_id:
-            run_id = UUID(found[0].flow_run_id)
-            if asyncio.run(state(run_id)):
-                return run_id
-        time.sleep(0.3)
-    found = rt.store.find_incidents(node=node)
-    raise AssertionError(f"the flow run never paused for approval: {found}")
 
 
 def test_approved_by_an_approver_acts(needs_approval: Runtime, fleet: SimFleet) -> None:
