@@ -40,7 +40,7 @@ from typing import Any, Self
 import anyio
 
 from medic.culprit import Differential
-from medic.events import FaultEvent
+from medic.events import EventKind, FaultEvent
 from medic.flows.dispatch import remediate_one, stored
 from medic.flows.leases import Leases, runner_name
 from medic.incidents import Incident, Storms, correlate
@@ -84,6 +84,10 @@ class LiveDispatcher:
         self._warming.start()
 
     async def __call__(self, events: list[FaultEvent]) -> None:
+        # What people did to a node is stored evidence only: no incident, no run (docs/decisions/0019).
+        events = [e for e in events if e.kind is not EventKind.NODE_STATE]
+        if not events:
+            return
         await self._take(await anyio.to_thread.run_sync(self._diagnose, events))
         self._settle_later()
 

@@ -81,6 +81,15 @@ class EventKind(StrEnum):
     HEALTH_CHECK = "health_check"
     DIAGNOSTIC = "diagnostic"
     REMEDIATION = "remediation"
+    # A change of a node's state in the scheduler that GPU Medic did not make: what people (or the
+    # scheduler itself) did, evidence for the rollout report, never trouble. It opens no incident and
+    # moves nothing (docs/decisions/0019-human-actions-as-events.md).
+    NODE_STATE = "node_state"
+
+
+# What changed, in the scheduler's words made common: its DRAIN and FAIL flags set, its base state DOWN,
+# NOT_RESPONDING set, the DRAIN/FAIL/DOWN cleared, a reboot asked for, a new BootTime.
+NodeStateChange = Literal["drain", "fail", "down", "not_responding", "resume", "reboot_requested", "reboot"]
 
 
 class _Attributes(BaseModel):
@@ -145,6 +154,16 @@ class RemediationAttributes(_Attributes):
     action: str
 
 
+class NodeStateAttributes(_Attributes):
+    change: NodeStateChange
+    state: str | None = None
+    previous: str | None = None
+    reason: str | None = None
+    reason_set_by: str | None = None
+    reason_set_at: EventTime | None = None
+    seen_at: EventTime | None = None
+
+
 class EmptyAttributes(_Attributes):
     pass
 
@@ -163,6 +182,7 @@ ATTRIBUTE_MODELS: dict[EventKind, type[_Attributes]] = {
     EventKind.HEALTH_CHECK: HealthCheckAttributes,
     EventKind.DIAGNOSTIC: DiagnosticAttributes,
     EventKind.REMEDIATION: RemediationAttributes,
+    EventKind.NODE_STATE: NodeStateAttributes,
 }
 
 

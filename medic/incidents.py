@@ -3,7 +3,8 @@
 A storm of events about one node must become one incident (and so one flow run), not hundreds.
 An event joins its node's open incident when it comes within `window` of that incident's last
 event, otherwise it opens a new one. `remediation` events are the node's history, not trouble:
-they never open an incident.
+they never open an incident. Nor do `node_state` events (what people did to a node, as the
+scheduler records it): they are evidence for the rollout report, kept in the store only.
 
 Trouble under one leaf switch from many nodes at once is the network's, and deciding on it node
 by node is how one bad switch becomes 32 drained nodes. So the events the policy's `switch`
@@ -208,7 +209,8 @@ def correlate(
     events: Iterable[FaultEvent], window: timedelta = DEFAULT_WINDOW, storms: Storms = NO_STORMS
 ) -> list[Incident]:
     """Group events (any order) into incidents, oldest first. Pure: same input, same ids."""
-    ordered = sorted(events, key=lambda e: (e.time, e.id))
+    # People's actions are no trouble, whatever a policy's storm kinds say (docs/decisions/0019).
+    ordered = sorted((e for e in events if e.kind is not EventKind.NODE_STATE), key=lambda e: (e.time, e.id))
     incidents, taken = _switch_storms(ordered, window, storms) if storms.rules else ([], set())
     history: dict[str, list[FaultEvent]] = {}
     open_by_node: dict[str, Incident] = {}

@@ -506,6 +506,8 @@ class Stream:
         at, _, event = item
         self.passed = item[:2]
         self.context.add(event, at)
+        if event.kind is EventKind.NODE_STATE:
+            return  # what people did: context for count rules, never an incident (docs/decisions/0019)
         burst = None
         if event.switch is not None and event.kind in self.storm_kinds:
             burst = self.bursts.get(event.switch)

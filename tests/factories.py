@@ -39,6 +39,7 @@ DEFAULT_ATTRIBUTES: dict[str, dict[str, Any]] = {
     "job_crash": {"exit_code": 137},
     "diagnostic": {"level": 3, "result": "fail"},
     "remediation": {"action": "drain"},
+    "node_state": {"change": "drain"},
 }
 
 _ids = itertools.count(1)

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
     from medic.apps.server.slack import SlackCallbacks
     from medic.flows.live import LiveDispatcher
+    from medic.tasks.people import PeopleWatch
+    from medic.tasks.runtime import Runtime
 
 
 class Dispatch(StrEnum):
@@ -57,6 +59,11 @@ def serve(
         raise typer.Exit(2)
     embedded.claim()  # before the warm-up starts this service's own embedded server
     dispatcher, slack = _remediation(dispatch, port)
+    try:
+        people = _people(dispatcher.rt)
+    except ValueError as error:
+        err.print(f"[red]error:[/red] {escape(str(error))}")
+        raise typer.Exit(2) from None
     policy = dispatcher.rt.policy_status()
     if policy.sha256 is None:
         # No policy has ever loaded: every accepted event would wait for an incident that cannot be
@@ -71,7 +78,7 @@ def serve(
             slack=slack,
             log_level=log_level,
             access_log=access_log,
-            on_start=_pickup(dispatcher) if dispatch is Dispatch.LOCAL else None,
+            on_start=_background(dispatcher if dispatch is Dispatch.LOCAL else None, people),
             on_stop=left_behind,  # says how many chat messages stay in the outbox for the next start
         )
     except ServeConfigError as error:
@@ -112,18 +119,42 @@ def _remediation(dispatch: Dispatch, port: int) -> tuple[LiveDispatcher, SlackCa
     return dispatcher, slack
 
 
-def _pickup(dispatcher: LiveDispatcher) -> Callable[[], Awaitable[None]]:
-    """From startup on, and every third of a lease, a flow run for every incident still being
-    handled that no live run holds: left so by this service's predecessor (stopped or killed
-    mid-run) or by a replica that died. Node actions already taken are not repeated (they are
-    claimed once per fault), and actions a crash left without an outcome are settled first."""
+def _people(rt: Runtime) -> tuple[PeopleWatch, float] | None:
+    """The watch of what people do to nodes in Slurm, and its interval: only beside a Slurm scheduler,
+    and not with MEDIC_SLURM_WATCH_SECONDS=0 (docs/decisions/0019)."""
+    from medic.integrations.slurm import SlurmCli, SlurmScheduler
+    from medic.tasks.people import PeopleWatch, interval_s
+
+    every_s = interval_s(os.environ)
+    scheduler = rt.backends.scheduler
+    if not every_s or not isinstance(scheduler, SlurmScheduler):
+        return None
+    # Its own client: one listing per interval, and a slurmctld that does not answer within it is a
+    # failed poll, not a pile of waiting ones.
+    cli = SlurmCli(scheduler.cli.slurm_conf, timeout_s=min(every_s, scheduler.cli.timeout_s))
+    return PeopleWatch(rt.store, cli), every_s
+
+
+def _background(
+    dispatcher: LiveDispatcher | None, people: tuple[PeopleWatch, float] | None
+) -> Callable[[], Awaitable[None]]:
+    """The service's periodic work, from startup on. With the warm path, every third of a lease, a flow
+    run for every incident still being handled that no live run holds: left so by this service's
+    predecessor (stopped or killed mid-run) or by a replica that died. Node actions already taken are
+    not repeated (they are claimed once per fault), and actions a crash left without an outcome are
+    settled first. Beside Slurm, the poll of what people do to nodes."""
     import asyncio
 
     running: set[asyncio.Task[None]] = set()
 
     async def start() -> None:
-        task = asyncio.create_task(dispatcher.pickup_forever(dispatcher.leases.lease_s / 3))
-        running.add(task)  # held: the loop keeps only weak references to tasks
+        loops = []
+        if dispatcher is not None:
+            loops.append(dispatcher.pickup_forever(dispatcher.leases.lease_s / 3))
+        if people is not None:
+            loops.append(people[0].forever(people[1]))
+        for loop in loops:
+            running.add(asyncio.create_task(loop))  # held: the loop keeps only weak references to tasks
 
     return start
 

@@ -58,6 +58,8 @@ class SlurmCli:
     def __init__(self, slurm_conf: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.slurm_conf = slurm_conf
         self.timeout_s = timeout_s
+        # Learnt at the first node read: whether sinfo lists nodes (22.05) or scontrol must (23.02+).
+        self._nodes_from_scontrol = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SlurmCli:
@@ -104,15 +106,20 @@ class SlurmCli:
 
     def nodes(self) -> list[SlurmNode]:
         """Every node, read in the JSON generation the cluster's Slurm writes (records.py)."""
-        return parse_nodes(self._node_document())
+        return parse_nodes(self.node_document())
 
-    def _node_document(self) -> dict[str, Any]:
-        """22.05's `sinfo --json` lists each node (it ignores -n and every other filter: always the whole
+    def node_document(self) -> dict[str, Any]:
+        """Every node's full record as Slurm wrote it, in one command once the release is known.
+
+        22.05's `sinfo --json` lists each node (it ignores -n and every other filter: always the whole
         cluster). From 23.02 on `sinfo --json` lists sinfo's grouped rows instead (one row for several
-        nodes), so the nodes come from `scontrol --json show nodes`, one full record per node."""
-        listing = self._json("sinfo", "--json")
-        if generation(listing, "sinfo --json") == 38:
-            return listing
+        nodes), so the nodes come from `scontrol --json show nodes`, one full record per node; sinfo is
+        then not asked again (Slurm is not downgraded under a running service)."""
+        if not self._nodes_from_scontrol:
+            listing = self._json("sinfo", "--json")
+            if generation(listing, "sinfo --json") == 38:
+                return listing
+            self._nodes_from_scontrol = True
         return self._json("scontrol", "--json", "show", "nodes")
 
     def node(self, name: str) -> SlurmNode:
@@ -123,7 +130,7 @@ class SlurmCli:
 
     def node_and_boot(self, name: str) -> tuple[SlurmNode, int | None]:
         """The node and its BootTime (epoch seconds; None before slurmd ever registered), from one read."""
-        doc = self._node_document()
+        doc = self.node_document()
         for raw, node in zip(doc["nodes"], parse_nodes(doc), strict=True):
             if node.name == name:
                 return node, boot_time(raw, name)

@@ -122,6 +122,21 @@ class ActionsMixin(StoreBase):
         with self.session() as s:
             return succeeded_actions(s, since, actions=actions)
 
+    def actions_during(
+        self, node: str, start: datetime, end: datetime, actions: Iterable[str]
+    ) -> list[ActionRecord]:
+        """Our actions of these kinds on the node, whatever their outcome, under way at some time from
+        `start` to `end`: asked for by `end`, not finished before `start` (or never finished)."""
+        query = (
+            select(ActionRecord)
+            .where(ActionRecord.node == node)
+            .where(col(ActionRecord.action).in_(list(actions)))
+            .where(col(ActionRecord.intent_at) <= end)
+            .where(or_(col(ActionRecord.finished_at).is_(None), col(ActionRecord.finished_at) >= start))
+        )
+        with self.session() as s:
+            return list(s.exec(query))
+
     def node_actions(self, node: str, since: datetime) -> list[ActionRecord]:
         """Our successful actions on a node since a time: its remediation history."""
         with self.session() as s:

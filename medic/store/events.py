@@ -105,11 +105,12 @@ class EventsMixin(StoreBase):
         return changed
 
     def undispatched_events(self) -> list[FaultEvent]:
-        """Accepted events no incident holds yet (a node's remediation history aside), oldest first."""
+        """Accepted events no incident holds yet, oldest first; a node's remediation history and what people
+        did to it (`node_state`) are no incident's and are left out."""
         query = (
             select(EventRecord)
             .where(col(EventRecord.incident_id).is_(None))
-            .where(EventRecord.kind != "remediation")
+            .where(col(EventRecord.kind).not_in(["remediation", "node_state"]))
             .order_by(col(EventRecord.time), col(EventRecord.id))
         )
         with self.session() as s:

@@ -77,6 +77,7 @@ GOOD: dict[EventKind, dict[str, Any]] = {
     EventKind.HEALTH_CHECK: {"phase": "prolog", "check": "nvidia-smi", "message": "7 of 8 visible"},
     EventKind.DIAGNOSTIC: {"level": 3, "result": "fail", "error_ids": ["DCGM_FR_VOLATILE_DBE_DETECTED", 4]},
     EventKind.REMEDIATION: {"action": "drain"},
+    EventKind.NODE_STATE: {"change": "drain", "reason": "admin: bad fan", "reason_set_by": "root"},
 }
 
 # (kind, attributes, the field the reason must name, a fragment of the message)
@@ -107,6 +108,9 @@ BAD = [
     ("diagnostic", {"level": 2, "result": "maybe"}, "attributes.result", "'pass' or 'fail'"),
     ("diagnostic", {"level": 2}, "attributes.result", "Field required"),
     ("remediation", {}, "attributes.action", "Field required"),
+    ("node_state", {}, "attributes.change", "Field required"),
+    ("node_state", {"change": "maintenance"}, "attributes.change", "'drain', 'fail', 'down'"),
+    ("node_state", {"change": "drain", "reason_set_at": "yesterday"}, "attributes.reason_set_at", "datetime"),
 ]
 
 
@@ -396,6 +400,7 @@ def test_event_kinds_are_the_documented_ones() -> None:
         "health_check",
         "diagnostic",
         "remediation",
+        "node_state",
     ]
 
 

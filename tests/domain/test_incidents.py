@@ -160,6 +160,16 @@ def test_remediation_events_alone_open_nothing() -> None:
     assert correlate([ev("r1", 0, kind="remediation"), ev("r2", 1, kind="remediation")], WINDOW) == []
 
 
+def test_what_people_did_opens_joins_and_extends_nothing_even_if_a_storm_rule_counts_it() -> None:
+    """`node_state` events are evidence of people's actions (docs/decisions/0019): never trouble."""
+    people = [ev(f"p{n}", n, node=f"gpu-0{n}", switch="leaf-1", kind="node_state") for n in range(5)]
+    storms = Storms((StormRule(frozenset({EventKind.NODE_STATE}), timedelta(minutes=10), nodes_at_least=2),))
+    assert correlate(people, WINDOW, storms) == []
+    # A drain by people between two faults 15 minutes apart does not bridge them, nor is it history.
+    incidents = correlate([ev("x1", 0), ev("p-between", 8, kind="node_state"), ev("x2", 15)], WINDOW)
+    assert [([e.id for e in i.events], i.history) for i in incidents] == [(["x1"], []), (["x2"], [])]
+
+
 def test_remediation_is_history_of_that_nodes_incident() -> None:
     events = [
         ev("drain-1", 0, kind="remediation"),

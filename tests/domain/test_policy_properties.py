@@ -57,6 +57,7 @@ ATTRIBUTES: dict[EventKind, st.SearchStrategy[dict]] = {
         }
     ),
     EventKind.REMEDIATION: st.fixed_dictionaries({"action": st.sampled_from([a.value for a in Action])}),
+    EventKind.NODE_STATE: st.fixed_dictionaries({"change": st.sampled_from(["drain", "resume", "reboot"])}),
 }
 assert set(ATTRIBUTES) == set(EventKind), "every event kind has a strategy"
 
@@ -125,7 +126,9 @@ def check_decision(policy: Policy, facts: Facts, decision: Decision, sha: str) -
 @given(events=event_streams, out_of_service=st.booleans(), late=st.integers(0, 20_000))
 def test_default_policy_never_crashes_and_picks_the_top_rule(events, out_of_service, late):
     incidents = correlate(events)
-    assert sum(len(i.events) for i in incidents) == sum(e.kind is not EventKind.REMEDIATION for e in events)
+    assert sum(len(i.events) for i in incidents) == sum(
+        e.kind not in (EventKind.REMEDIATION, EventKind.NODE_STATE) for e in events
+    )
     for incident in incidents:
         for now in (None, incident.last_at + timedelta(minutes=late)):
             facts = facts_of(incident, out_of_service=out_of_service, now=now)
