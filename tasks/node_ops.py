@@ -143,11 +143,17 @@ def resume_node(rt: Runtime, incident_id: str, node: str) -> str:
     holder = _held_by_another_incident(rt, incident_id, info)
     if holder:
         return f"{node} not resumed: {holder}"
-    key = f"{incident_id}:{node}:resume"
+    key = f"{incident_id}:{node}:resume"  # what `returned` reads
     rt.store.claim_action(key, incident_id, node, "resume")
     rt.backends.scheduler.resume(node)
     rt.store.finish_action(key, ActionStatus.SUCCEEDED, f"resumed {node}")
     return f"resumed {node}"
+
+
+def returned(rt: Runtime, incident_id: str, node: str) -> bool:
+    """Whether this incident has returned the node to service (`resume_node` succeeded)."""
+    row = rt.store.get_action(f"{incident_id}:{node}:resume")
+    return row is not None and row.status == ActionStatus.SUCCEEDED
 
 
 def reintegrate_node(rt: Runtime, incident_id: str, node: str) -> str:

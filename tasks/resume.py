@@ -22,6 +22,7 @@ from medic.protocols import JobInfo, JobState
 from medic.statuses import ActionStatus, StepStatus
 from medic.store import utcnow
 from medic.store.tables import ActionRecord
+from medic.tasks.node_ops import returned
 from medic.tasks.retry import transient_only
 from medic.tasks.runtime import Runtime, current
 from medic.tasks.spares import lend_spare
@@ -31,6 +32,8 @@ MOVE_STAGE = "move job off"
 REQUEUE = "requeue"  # the action's name in the store
 # How long a requeued job may take to leave the node: Slurm ends its processes there first (KillWait).
 MOVE_WAIT_S = 120.0
+RESUME_POLL_S = 5.0  # the longest wait between two looks at a requeued job
+READMIT_POLL_S = 1.0  # ... once the node it was barred from is back in service
 
 
 class ResumeOutcome(BaseModel):
@@ -41,9 +44,12 @@ class ResumeOutcome(BaseModel):
     seconds_to_resume: float
     nodes: list[str]
     spare: str = ""  # what the spare pool gave for its requeue (docs/spares.md)
+    readmitted: str = ""  # the repaired node it was let back on, with nowhere else to go (docs/recovery.md)
 
     def describe(self) -> str:
         spare = f"; {self.spare}" if self.spare else ""
+        if self.readmitted:
+            spare += f"; it waited for {self.readmitted}, repaired, with no other node free"
         if self.checkpoint_step is None:
             return f"job {self.job} restarted from scratch: no complete checkpoint was found{spare}"
         now = f" (now at step {self.resumed_step})" if self.resumed_step is not None else ""
@@ -199,6 +205,15 @@ def _checkpoint_step(rt: Runtime, job: str) -> int | None:
     return latest.step if latest else None
 
 
+def _readmit(rt: Runtime, incident_id: str, job: str, exclude: list[str]) -> str:
+    """The node the job was let back on: one this incident barred it from and has since returned to
+    service, while the job finds no other node free (no spare, no idle node); "" for none yet."""
+    for node in exclude:
+        if returned(rt, incident_id, node) and rt.backends.scheduler.readmit(job, node):
+            return node
+    return ""
+
+
 def _progressed(rt: Runtime, job: str, info: JobInfo, floor: int) -> bool:
     if info.step is not None and info.step > floor:
         return True  # it trained past its checkpoint: resumed (a later failure is a new fault)
@@ -240,11 +255,16 @@ def resume_job(incident_id: str, job: str, exclude: list[str], wait_s: float = 9
         # A scheduler that knows no training steps (Slurm) can only tell that the requeued job
         # runs again; then a newer checkpoint is the proof of progress we wait for, if any.
         delay = 0.05
+        readmitted = ""
         while not _progressed(rt, job, info, floor):
             if time.monotonic() - started > wait_s:
                 raise TimeoutError(f"job {job} did not pass step {floor} within {wait_s:.0f} s")
+            readmitted = readmitted or _readmit(rt, incident_id, job, exclude)
             time.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            # Once its node is back, a job that may be waiting for it is looked at every second: the
+            # sooner it is let back on, the sooner it trains.
+            waiting = not readmitted and any(returned(rt, incident_id, node) for node in exclude)
+            delay = min(delay * 2, READMIT_POLL_S if waiting else RESUME_POLL_S)
             info = _job(rt, job)
         outcome = ResumeOutcome(
             job=job,
@@ -254,6 +274,7 @@ def resume_job(incident_id: str, job: str, exclude: list[str], wait_s: float = 9
             seconds_to_resume=(utcnow() - restart.requeued_at).total_seconds(),
             nodes=list(info.nodes),
             spare=restart.spare,
+            readmitted=readmitted,
         )
         log.done(f"{outcome.describe()} on {', '.join(outcome.nodes)}", **outcome.model_dump())
         return outcome

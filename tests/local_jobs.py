@@ -201,6 +201,9 @@ class LocalTorchrunScheduler:
             self._sync()
             return [self._info(job) for job in self.jobs.values() if name in job.current.nodes]
 
+    def readmit(self, job_id: str, node: str) -> bool:
+        return False  # its requeue relaunches at once, on fewer nodes if it must: it never waits
+
     def requeue(self, job_id: str, exclude: list[str]) -> JobInfo:
         """Relaunch the job away from `exclude`, on spare idle nodes if any, else on fewer nodes."""
         with self.fleet.lock:

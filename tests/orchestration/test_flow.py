@@ -81,14 +81,11 @@ def test_xid79_reboots_resumes_job_and_reintegrates(runtime: Runtime, training: 
     # The node is taken out before anyone is told, and no stage waits on the chat: the messages
     # go out beside the stages after it (tasks/notify.py), in their own order.
     chat = ("notify", "update")
-    assert [s for s in stages if s not in chat] == [
-        "triage",
-        "decide",
-        "act: reboot",
-        "resume job",
-        "verify L1",
-        "close",
-    ]
+    # The job's resume and the node's verification run side by side after the act (either may end
+    # first: a job with nowhere else to go waits for the verified node), both before the close.
+    flow = [s for s in stages if s not in chat]
+    assert flow[:3] == ["triage", "decide", "act: reboot"] and flow[-1] == "close"
+    assert sorted(flow[3:-1]) == ["resume job", "verify L1"]
     assert [s for s in stages if s in chat] == ["notify", "update", "update", "update", "update"]
     assert stages.index("notify") > stages.index("act: reboot")
     notifier = runtime.backends.notifier

@@ -258,6 +258,27 @@ def test_slurm_without_a_reboot_program_the_job_leaves_and_the_node_stays_held(
     assert outcome.resumed is not None and outcome.resumed.nodes == list(again.nodes)
 
 
+@pytest.mark.system
+def test_slurm_with_no_spare_and_no_idle_node_the_job_starts_again_on_the_repaired_node(
+    slurm: Cluster, slurm_runtime: Runtime
+) -> None:
+    job_id = slurm.sbatch(f"--nodes={len(NODES)}", "--exclusive", "--requeue", user="nobody")  # every node
+    bad = slurm.running(job_id).nodes[0]
+    event = fault_event("xid", id="slurm-full-1", node=bad, gpu=0, job=job_id, at=datetime.now(UTC))
+    outcome = run(slurm_runtime, [event.model_dump_json()])
+
+    assert (outcome.action, outcome.act) == ("reboot", "done"), outcome.summary
+    # Barred from the bad node while it was repaired, the job finds no other node; once the node
+    # is back, it may start there.
+    assert outcome.verified is not None and outcome.verified.passed, outcome.summary
+    assert outcome.resumed is not None and outcome.resumed.readmitted == bad, outcome.summary
+    assert f"it waited for {bad}, repaired, with no other node free" in outcome.summary
+    again = slurm.running(job_id)
+    assert bad in again.nodes and again.restarts == 1 and again.excluded == ""
+    assert bad in outcome.resumed.nodes
+    assert not slurm.cli.node(bad).flags & {"DRAIN"}
+
+
 class LostReply(SlurmCli):
     """The command reaches slurmctld and takes effect, but the answer never comes back (a timeout)."""
 
