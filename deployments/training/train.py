@@ -326,11 +326,19 @@ def pick_device(wanted: str, local_rank: int, local_world: int, gpus: int) -> to
 def attempt_store(rank: int, world: int) -> dist.Store:
     """torchrun's store, with this attempt's keys apart from those of the attempts before it.
 
-    torchrun keeps its store across the restarts of `--max-restarts`, and the process group writes
-    the same keys each time: a restarted rank can read a dead peer's address, and gloo's connect then
-    fails or hangs (11 of 15 restarts of 2 CPU ranks, torch 2.13, static and c10d rendezvous alike).
+    torchrun shares its agent's store with the workers by default and keeps it across the restarts
+    of `--max-restarts`, and the process group writes the same keys each time: a restarted rank can
+    read a dead peer's address, and gloo's connect then fails or hangs (11 of 15 restarts of 2 CPU
+    ranks, torch 2.13, static and c10d rendezvous alike). The restart count tells attempts apart
+    only under one agent: with several (one per node), the agent whose worker died counts a restart
+    and the others, restarted by the new rendezvous round, do not, so their ranks would wait on
+    different keys for ever. train.sbatch therefore turns the sharing off
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): each attempt then gets a store of its own, with nothing
+    stale in it.
     """
     store, _, _ = next(dist.rendezvous("env://", rank, world))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store
     return dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 

@@ -1,6 +1,8 @@
 """deployments/training/train.sbatch on the real Slurm cluster of tests/system/test_slurm.py: a rank killed
 mid-run is restarted in place by torchrun inside the allocation (`--max-restarts`), resumes from its
-newest checkpoint bit for bit, and the job finishes without Slurm requeueing it."""
+newest checkpoint bit for bit, and the job finishes without Slurm requeueing it. Two nodes, one rank
+each: one torchrun agent per node, as on a real cluster, where only the dead rank's agent counts a
+restart (train.py's attempt_store)."""
 
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ def test_a_killed_rank_restarts_in_place_and_the_job_finishes_unrequeued(
     env = {
         "TRAIN_PYTHON": sys.executable,
         "TRAIN_DIR": str(TRAINING_DIR),
-        "TRAIN_NPROC_PER_NODE": "2",
+        "TRAIN_NPROC_PER_NODE": "1",
         "TRAIN_MAX_RESTARTS": "1",
         "TRAIN_RDZV_PORT": str(29400 + os.getpid() % 500),
         "TRAIN_DEVICE": "cpu",
@@ -73,7 +75,7 @@ def test_a_killed_rank_restarts_in_place_and_the_job_finishes_unrequeued(
     job_id = slurm.run(
         "sbatch",
         "--parsable",
-        "--nodes=1",
+        "--nodes=2",
         f"--chdir={tmp_path}",
         f"--output={output}",
         f"--export=ALL,{','.join(f'{k}={v}' for k, v in env.items())}",
