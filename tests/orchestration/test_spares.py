@@ -9,14 +9,18 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import boto3
 import pytest
+from botocore.stub import Stubber
 from checkout import REPO_ROOT
 from factories import fault_event
+from hyperpod_support import CLUSTER, expect_batch, expect_listing, expect_status, iid, summary
 
 from medic.flows.dispatch import Dispatch, remediate_all
 from medic.flows.remediate import Outcome
 from medic.intake import read_lines
 from medic.integrations import registry
+from medic.integrations.hyperpod import HyperPodProvider
 from medic.integrations.sim.fleet import SimFleet, SimNode
 from medic.protocols import NodeState
 from medic.store import Store
@@ -107,3 +111,55 @@ def test_without_spares_in_the_policy_the_pool_is_left_alone(
     assert (
         pool.spare_nodes() == {SPARE} and outcome.resumed is not None and SPARE not in outcome.resumed.nodes
     )
+
+
+# --- HyperPod: the replacement flow with a spare -------------------------------------------------------
+
+
+def replacing(tmp_path: Path) -> Path:
+    """The default policy with a spare, where XID 79 replaces the node without asking."""
+    policy = with_spares(tmp_path, 1)
+    text = policy.read_text()
+    fallen = "      xid: [79]\n    then:\n      classification: hardware\n      action: reboot\n"
+    assert fallen in text and "required_for: [replace]" in text
+    policy.write_text(
+        text.replace(fallen, fallen.replace("reboot", "replace")).replace(
+            "required_for: [replace]", "required_for: []"
+        )
+    )
+    return policy
+
+
+def test_hyperpod_a_spare_takes_the_job_while_the_node_is_replaced_and_the_new_one_refills_the_pool(
+    sqlite_store: Store, fleet: SimFleet, tmp_path: Path
+) -> None:
+    """SageMaker HyperPod's Slurm keeps the pool as any Slurm does (here the simulated scheduler's);
+    HyperPod replaces the node (BatchReplaceClusterNodes, botocore's Stubber answering as SageMaker),
+    and the new instance, found by the node's logical id and verified, refills the pool."""
+    client = boto3.session.Session(
+        aws_access_key_id="testing", aws_secret_access_key="testing", region_name="us-east-1"
+    ).client("sagemaker")
+    names = [BAD, OTHER, SPARE]
+    before = [summary(iid(n), f"10.1.0.{n}", logical=name) for n, name in enumerate(names, 1)]
+    after = [summary(iid(7), "10.1.0.7", logical=BAD), *before[1:]]
+    with Stubber(client) as stub:
+        expect_listing(stub, [before])  # the names discovered
+        expect_listing(stub, [before])  # who holds the node, before the request
+        expect_batch(stub, "batch_replace_cluster_nodes", [iid(1)])
+        expect_listing(stub, [after])  # the node's logical id, on a new instance
+        expect_status(stub, iid(7), "Running")
+        backends = registry.simulated(fleet)[0]
+        backends.provider = HyperPodProvider(client, CLUSTER, poll_interval_s=0.01)
+        assert backends.spare_pool is not None
+        backends.spare_pool.refill(SPARE)
+        rt = configure(Runtime(sqlite_store, backends, replacing(tmp_path)))
+
+        outcome = xid79(rt)
+        stub.assert_no_pending_responses()
+
+    assert (outcome.action, outcome.act) == ("replace", "done"), outcome.summary
+    assert f"spare {SPARE} lent to the job" in outcome.summary
+    assert outcome.resumed is not None and sorted(outcome.resumed.nodes) == [OTHER, SPARE]
+    assert outcome.verified is not None and outcome.verified.passed, outcome.summary
+    assert f"{BAD} refills the spare pool (1 of 1)" in outcome.verified.detail
+    assert backends.spare_pool.spare_nodes() == {BAD}
