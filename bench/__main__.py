@@ -23,6 +23,7 @@ from bench import (
     node_bundle,
     policy,
     prolog,
+    recovery,
     replay,
     report,
     resume,
@@ -48,6 +49,7 @@ BENCHMARKS: list[tuple[str, Callable[[], dict[str, Any]], Callable[[dict[str, An
     ("ageing", ageing.run, ageing.section),
     ("training resume", resume.run, resume.section),
     ("hang", hang.run, hang.section),
+    ("recovery", recovery.run, recovery.section),
 ]
 
 

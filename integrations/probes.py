@@ -124,7 +124,27 @@ def probe_slurm(env: Env) -> Probe:
         return Probe("slurm", "fail", what, re.sub(r"\s*\*\*.*$", "", _problem(error)))
     if " is UP" not in ping:  # older Slurm exits 0 with "... is DOWN"
         return Probe("slurm", "fail", what, ping or "scontrol ping printed nothing")
-    return Probe("slurm", "ok", what, f"{ping}; {version}")
+    return Probe("slurm", "ok", what, f"{ping}{_requeue_wait(cli)}; {version}")
+
+
+# Slurm's own default for AuthInfo's cred_expire (slurm.conf(5)).
+CRED_EXPIRE_DEFAULT_S = 120
+
+
+def _requeue_wait(cli: Any) -> str:
+    """How long Slurm holds a requeued job back: the job credential's lifetime (AuthInfo cred_expire),
+    the floor under every restart after a requeue (docs/recovery.md)."""
+    from medic.integrations.slurm.errors import SlurmCommandError
+
+    try:
+        config = cli.run("scontrol", "show", "config")
+    except SlurmCommandError:
+        return ""  # the ping answered: the version and state are still worth printing
+    found = re.search(r"cred_expire=(\d+)", config)
+    seconds, source = (
+        (int(found.group(1)), "AuthInfo cred_expire") if found else (CRED_EXPIRE_DEFAULT_S, "default")
+    )
+    return f"; a requeued job starts again after {seconds} s ({source})"
 
 
 def _first_node(env: Env) -> str | None:
