@@ -17,16 +17,19 @@ from rich.table import Table
 from medic.advise import human_seconds
 from medic.apps.cli._common import PolicyOption, console, err, load_policy_or_exit
 from medic.whatif import fleetsim
-from medic.whatif.fleetsim import BADPUT, Report, SimParams, fast_checkpointer, meta_like_recovery
+from medic.whatif.fleetsim import BADPUT, Report, SimParams, fast_checkpointer, measured, meta_like_recovery
+from medic.whatif.fleetsim.measurement import MeasurementError
 
 
 class Recovery(StrEnum):
-    MEDIC = "medic"
+    MEASURED = "measured"  # measured end to end on a real Slurm cluster (medic/data/recovery-measured.json)
+    MEDIC = "medic"  # SimParams' assumed durations
     FAST_CHECKPOINTER = "fast-checkpointer"
     META_LIKE = "meta-like"
 
 
-PRESETS = {
+PRESETS: dict[Recovery, Callable[[SimParams], SimParams]] = {
+    Recovery.MEASURED: measured,
     Recovery.MEDIC: lambda p: p,
     Recovery.FAST_CHECKPOINTER: fast_checkpointer,
     Recovery.META_LIKE: meta_like_recovery,
@@ -44,8 +47,11 @@ def simulate(
     ] = None,
     seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same report.")] = 1,
     recovery: Annotated[
-        Recovery, typer.Option(help="Durations: GPU Medic's, with a fast checkpointer, or Meta-like.")
-    ] = Recovery.MEDIC,
+        Recovery,
+        typer.Option(
+            help="Durations: measured on real Slurm, assumed (GPU Medic's), a fast checkpointer's, or Meta-like."
+        ),
+    ] = Recovery.MEASURED,
     spares: Annotated[int | None, typer.Option(help="Idle nodes the job can restart on.", min=0)] = None,
     save_seconds: Annotated[
         float | None, typer.Option(help="Seconds one checkpoint save blocks training.", min=0.001)
@@ -59,9 +65,17 @@ def simulate(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
 ) -> None:
     """Simulate a fleet's faults and remediation: goodput, badput by cause, people, spares."""
-    params = PRESETS[recovery](SimParams(gpus=gpus, days=days))
-    overrides = {"spare_nodes": spares, "checkpoint_save_s": save_seconds, "gpu_mtbf_hours": gpu_mtbf_hours}
-    params = replace(params, **{k: v for k, v in overrides.items() if v is not None})
+    try:
+        params = PRESETS[recovery](SimParams(gpus=gpus, days=days))
+    except MeasurementError as error:  # the shipped measurement is broken: say which file and field
+        err.print(f"error: {error}", markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    params = replace(
+        params,
+        spare_nodes=params.spare_nodes if spares is None else spares,
+        checkpoint_save_s=params.checkpoint_save_s if save_seconds is None else save_seconds,
+        gpu_mtbf_hours=params.gpu_mtbf_hours if gpu_mtbf_hours is None else gpu_mtbf_hours,
+    )
     policies = [load_policy_or_exit(policy)] + ([load_policy_or_exit(compare)] if compare else [])
     try:
         reports = [fleetsim.simulate(params, loaded, seed) for loaded in policies]
@@ -80,7 +94,7 @@ def simulate(
     if as_json:
         sys.stdout.write(json.dumps({"runs": [r.to_dict() for r in reports]}, indent=2) + "\n")
         return
-    _print(reports, params)
+    _print(reports, params, recovery)
 
 
 def _badput(key: str, report: Report) -> str:
@@ -88,10 +102,10 @@ def _badput(key: str, report: Report) -> str:
     return f"{seconds / report.wall_s:.2%} ({seconds / 3600:,.1f} h)"
 
 
-def _print(reports: list[Report], params: SimParams) -> None:
+def _print(reports: list[Report], params: SimParams, recovery: Recovery) -> None:
     first = reports[0]
     table = Table(
-        title=f"{params.gpus:,} GPUs for {params.days:g} days, seed {first.seed}",
+        title=f"{params.gpus:,} GPUs for {params.days:g} days, seed {first.seed}, {recovery.value} durations",
         title_justify="left",
     )
     table.add_column("")
@@ -107,7 +121,7 @@ def _print(reports: list[Report], params: SimParams) -> None:
     row("checkpoint every", lambda r: human_seconds(r.checkpoint_interval_s))
     for key, meaning in BADPUT.items():
         row(f"badput: {meaning}", partial(_badput, key))
-    row("dominant badput", lambda r: r.dominant_badput)
+    row("dominant badput", lambda r: BADPUT[r.dominant_badput])
     row("human interventions", lambda r: r.human_interventions)
     row("approvals asked", lambda r: r.approvals)
     row("nodes replaced", lambda r: r.nodes_replaced)

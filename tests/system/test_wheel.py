@@ -98,6 +98,7 @@ def test_the_wheel_holds_one_namespace_and_what_runs_without_a_checkout(wheel: P
         "medic/policies/examples/reboot-on-any-fault.yaml",
         "medic/data/xid_catalog.csv",
         "medic/data/dcgm_errors.csv",
+        "medic/data/recovery-measured.json",
         "medic/training/train.py",
         "medic/training/checkpoint_layout.py",
         "medic/training/medic_hooks.py",
@@ -136,6 +137,10 @@ def test_the_control_plane_runs_from_another_folder(server: Path, tmp_path: Path
         "reboot",
         "xid-fallen-off-bus",
     )
+
+    # The default profile reads its measured durations from the installed package.
+    simulated = json.loads(run([medic, "simulate", "--gpus", "1024", "--days", "1", "--json"], tmp_path, env))
+    assert simulated["runs"][0]["params"]["restart_in_place_s"] is not None
 
     demo = run([medic, "demo"], tmp_path, env | {"COLUMNS": "200"}, timeout=600)
     assert "gpu-node-12: held by reservation medic-sweep-sim-gpu-node-12, DCGM level 2 fail" in demo

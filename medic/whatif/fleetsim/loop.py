@@ -12,9 +12,10 @@ incident then runs as the remediation flow would (docs/simulate.md#method):
 3. act: a reset, reboot or replacement takes the node out for its duration (a replacement first
    waits for a person's approval when the policy asks for one); an escalation or a drain waits for
    a person, who then fixes what is really wrong;
-4. the job restarts from its last checkpoint: on the same nodes when the node stayed, else on a
-   spare (waiting for a node to come back when there is none). A switch fault cuts off every node
-   under the switch: the job needs that many spares, or waits for the network's repair.
+4. the job restarts from its last checkpoint: on the same nodes when the node stayed
+   (`restart_in_place_s`), else on a spare (`restart_s`, after waiting for a node to come back when
+   there is none). A switch fault cuts off every node under the switch: the job needs that many
+   spares, or waits for the network's repair.
 
 A fault the action did not clear strikes the node again later; after `repeats_before_human`
 repeats a person takes the node out and fixes it. Training between faults saves a checkpoint
@@ -234,7 +235,8 @@ class Simulation:
                 self.spares.give_back(node_back)
             spare_at = max(self.spares.take(job_at) for _ in range(held))
             segments.append(("false_replacement" if false_replacement else "recovery", spare_at - job_at))
-        segments.append(("recovery", p.restart_s))
+        # A node still in service keeps the job where it is (torchrun restarts it in place, no requeue).
+        segments.append(("recovery", p.in_place_restart_s if node_back is None else p.restart_s))
         self._down(t, segments)
         if not cleared:
             back = node_back if node_back is not None else self.down_until

@@ -2,9 +2,11 @@
 
 The defaults describe the Llama 3 405B pre-training cluster (Meta, "The Llama 3 Herd of Models",
 2024, section 3.3.4): 16,384 H100s in 8-GPU servers, 419 unexpected interruptions in 54 days,
-which is one failure per GPU every 54 * 24 * 16,384 / 419 ≈ 50,700 hours. Durations are what a
-fleet remediated by GPU Medic takes; `meta_like_recovery` is the slower recovery a team without
-it sees, and `fast_checkpointer` a job that saves to and restores from host memory.
+which is one failure per GPU every 54 * 24 * 16,384 / 419 ≈ 50,700 hours. The defaults' durations
+are assumptions of what a fleet remediated by GPU Medic takes; `measured` puts in those the
+end-to-end recovery benchmark measured on a real Slurm cluster, `meta_like_recovery` is the slower
+recovery a team without GPU Medic sees, and `fast_checkpointer` a job that saves to and restores
+from host memory.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from medic import advise
+from medic.whatif.fleetsim.measurement import Measurement, RecoveryPath, shipped
 
 LLAMA3_GPUS = 16_384
 LLAMA3_DAYS = 54.0
@@ -44,6 +47,7 @@ class SimParams:
     detect_crash_s: float = 15.0  # a rank exits; the job's hook or the scheduler reports it
     detect_hang_s: float = 600.0  # a collective hangs until the NCCL watchdog fires (PyTorch's default)
     restart_s: float = 300.0  # requeue on healthy nodes, load the checkpoint, first step done
+    restart_in_place_s: float | None = None  # the node stayed: restart on the same nodes; None: restart_s
     reset_gpu_s: float = 120.0
     reboot_s: float = 900.0
     replace_s: float = 4 * 3600.0  # the provider hands back a new node
@@ -76,6 +80,11 @@ class SimParams:
         return advise.job_mtbf_hours(self.gpu_mtbf_hours, self.gpus) * advise.SECONDS_PER_HOUR
 
     @property
+    def in_place_restart_s(self) -> float:
+        """The job's restart when the node stays in service."""
+        return self.restart_s if self.restart_in_place_s is None else self.restart_in_place_s
+
+    @property
     def interval_s(self) -> float:
         """Training time between two saves."""
         if self.checkpoint_interval_s is not None:
@@ -101,4 +110,27 @@ def meta_like_recovery(params: SimParams) -> SimParams:
         restart_s=480.0,
         human_response_s=3600.0,
         repeats_before_human=1,
+    )
+
+
+def measured(params: SimParams, measurement: Measurement | None = None) -> SimParams:
+    """Durations measured end to end on a real Slurm cluster (medic/data/recovery-measured.json, or
+    `measurement`), each the median from the incident opened to the job's first step back; the
+    simulator charges detection by itself. A restart with the node in service is the in-place path's
+    (torchrun restarts the group, no requeue); a requeue onto a spare or an idle node is the spare
+    path's. Medians rather than p95s: a run adds one restart per interruption, hundreds of them, so the typical
+    figure is the one their sum wants (docs/simulate.md#the-measured-profile).
+
+    A real server's GPU reset, reboot and replacement stay the assumed `reset_gpu_s`, `reboot_s` and
+    `replace_s`: the cluster measured has no GPU to reset and reboots a stand-in in about a second.
+    So does `detect_hang_s`, the watchdog's 10 minutes: the hangs simulated (a switch, a cable, a NIC,
+    a collective's timeout) leave every rank waiting in the same collective, where the ranks' stall
+    reports name nobody; the 52 s measured for a rank stopped short of its peers (bench/hang.py)
+    does not apply to them.
+    """
+    found = shipped() if measurement is None else measurement
+    return replace(
+        params,
+        restart_in_place_s=found.after_detection_s(RecoveryPath.IN_PLACE),
+        restart_s=found.after_detection_s(RecoveryPath.SPARE),
     )
