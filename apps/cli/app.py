@@ -38,6 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("medic.apps.cli.simulate", "simulate"),
     "schema": ("medic.apps.cli.triage", "schema"),
     "policy": ("medic.apps.cli.policy", "policy_app"),
+    "rollout": ("medic.apps.cli.rollout", "rollout_app"),
     "dcgm": ("medic.apps.cli.dcgm", "dcgm_app"),
     "advise": ("medic.apps.cli.advise", "advise_app"),
     "breaker": ("medic.apps.cli.breaker", "breaker_app"),

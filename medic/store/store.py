@@ -21,11 +21,13 @@ from medic.store.prune import PruneMixin
 from medic.store.rejections import RejectionsMixin
 from medic.store.replay import ReplayMixin
 from medic.store.report import ReportMixin
+from medic.store.rollout import RolloutMixin
 from medic.store.stages import StagesMixin
 
 
 class Store(
     ReportMixin,
+    RolloutMixin,
     ReplayMixin,  # before EventsMixin, which it builds on
     EventsMixin,
     RejectionsMixin,
