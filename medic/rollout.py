@@ -15,9 +15,9 @@ from datetime import datetime, timedelta
 
 from pydantic import BaseModel
 
+from medic.policy.selectors import OTHER_NODES
+
 SCHEMA_VERSION = 1
-# The name decisions of a node in no group go by (medic/store/modes.py, OTHER_NODES).
-OTHER_NODES = "*"
 
 # The one mapping from GPU Medic's node actions to the `node_state` changes that are the same kind of
 # action by people. A GPU reset leaves no trace in Slurm: a reboot is what people do instead. A replaced

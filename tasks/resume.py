@@ -47,14 +47,15 @@ class ResumeOutcome(BaseModel):
     readmitted: str = ""  # the repaired node it was let back on, with nowhere else to go (docs/recovery.md)
 
     def describe(self) -> str:
-        spare = f"; {self.spare}" if self.spare else ""
-        if self.readmitted:
-            spare += f"; it waited for {self.readmitted}, repaired, with no other node free"
+        waited = (
+            f"it waited for {self.readmitted}, repaired, with no other node free" if self.readmitted else ""
+        )
+        tail = "".join(f"; {part}" for part in (self.spare, waited) if part)
         if self.checkpoint_step is None:
-            return f"job {self.job} restarted from scratch: no complete checkpoint was found{spare}"
+            return f"job {self.job} restarted from scratch: no complete checkpoint was found{tail}"
         now = f" (now at step {self.resumed_step})" if self.resumed_step is not None else ""
         lost = f"; work lost ≈ {self.lost_seconds:.0f} s" if self.lost_seconds is not None else ""
-        return f"job {self.job} resumed from step {self.checkpoint_step}{now}{lost}{spare}"
+        return f"job {self.job} resumed from step {self.checkpoint_step}{now}{lost}{tail}"
 
 
 class Restart(BaseModel):
@@ -205,13 +206,10 @@ def _checkpoint_step(rt: Runtime, job: str) -> int | None:
     return latest.step if latest else None
 
 
-def _readmit(rt: Runtime, incident_id: str, job: str, exclude: list[str]) -> str:
-    """The node the job was let back on: one this incident barred it from and has since returned to
-    service, while the job finds no other node free (no spare, no idle node); "" for none yet."""
-    for node in exclude:
-        if returned(rt, incident_id, node) and rt.backends.scheduler.readmit(job, node):
-            return node
-    return ""
+def _readmit(rt: Runtime, job: str, back: list[str]) -> str:
+    """The node the job was let back on: one of `back` (barred by this incident, since returned to
+    service), while the job finds no other node free (no spare, no idle node); "" for none yet."""
+    return next((node for node in back if rt.backends.scheduler.readmit(job, node)), "")
 
 
 def _progressed(rt: Runtime, job: str, info: JobInfo, floor: int) -> bool:
@@ -259,12 +257,12 @@ def resume_job(incident_id: str, job: str, exclude: list[str], wait_s: float = 9
         while not _progressed(rt, job, info, floor):
             if time.monotonic() - started > wait_s:
                 raise TimeoutError(f"job {job} did not pass step {floor} within {wait_s:.0f} s")
-            readmitted = readmitted or _readmit(rt, incident_id, job, exclude)
+            back = [] if readmitted else [n for n in exclude if returned(rt, incident_id, n)]
+            readmitted = readmitted or _readmit(rt, job, back)
             time.sleep(delay)
             # Once its node is back, a job that may be waiting for it is looked at every second: the
             # sooner it is let back on, the sooner it trains.
-            waiting = not readmitted and any(returned(rt, incident_id, node) for node in exclude)
-            delay = min(delay * 2, READMIT_POLL_S if waiting else RESUME_POLL_S)
+            delay = min(delay * 2, READMIT_POLL_S if back and not readmitted else RESUME_POLL_S)
             info = _job(rt, job)
         outcome = ResumeOutcome(
             job=job,

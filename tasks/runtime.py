@@ -23,8 +23,8 @@ from medic.integrations import registry
 from medic.integrations.registry import Backends
 from medic.policy import LoadedPolicy, PolicyError, load_policy
 from medic.policy.approvers import Approvers, UserDirectory, is_email, resolve
+from medic.policy.selectors import OTHER_NODES
 from medic.store import Store, utcnow
-from medic.store.modes import OTHER_NODES
 
 log = logging.getLogger("medic.runtime")
 

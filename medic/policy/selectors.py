@@ -21,6 +21,9 @@ from medic.protocols import NodeInfo
 # Far above any one cluster (the largest run 100,000 GPUs on ~12,500 nodes), far below what the
 # loader could hold or compare group against group in a moment.
 MAX_HOSTLIST_NODES = 100_000
+# The name the nodes no group takes go by (in decisions, mode changes, the rollout report): no group can
+# have it, group names starting with [a-z0-9].
+OTHER_NODES = "*"
 
 
 class Mode(StrEnum):

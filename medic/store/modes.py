@@ -12,11 +12,10 @@ from collections.abc import Mapping
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import col, select
 
+from medic.policy.selectors import OTHER_NODES
 from medic.store.engine import StoreBase, utcnow
 from medic.store.tables import ModeChangeRecord
 
-# The name the nodes no group takes go by: no group can have it (group names start with [a-z0-9]).
-OTHER_NODES = "*"
 BEFORE_GROUPS = {OTHER_NODES: "remediate"}
 
 
