@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timedelta
 
 from pydantic import BaseModel
 
+from medic.policy.groups import place, unknown_node
+from medic.policy.model import Policy
 from medic.policy.selectors import OTHER_NODES
 
 SCHEMA_VERSION = 1
@@ -76,6 +78,61 @@ class Thresholds:
     destructive_disagreements: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Override:
+    """Thresholds given on the command line: each one given wins over the policy's, for every group."""
+
+    decisions: int | None = None
+    agreement: float | None = None
+    destructive_disagreements: int | None = None
+
+
+NO_OVERRIDE = Override()
+
+
+def policy_thresholds(policy: Policy, override: Override = NO_OVERRIDE) -> dict[str, Thresholds]:
+    """Each group's readiness thresholds by name (`*`: the policy's own `readiness`, which a group's
+    keys change for it), with the override's over them."""
+    top = policy.readiness
+    chosen = {OTHER_NODES: top}
+    for g in policy.groups:
+        given = g.readiness.model_dump(exclude_none=True) if g.readiness is not None else {}
+        chosen[g.name] = top.model_copy(update=given)
+    forced = {k: v for k, v in asdict(override).items() if v is not None}
+    return {
+        name: replace(Thresholds(t.min_decisions, t.min_agreement, t.max_destructive_disagreements), **forced)
+        for name, t in chosen.items()
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """The group a node with no decision of GPU Medic is reported in, and why not in one of the policy's
+    groups when one may take it (None: placed, or certainly in none)."""
+
+    group: str
+    why: str | None = None
+
+
+def in_no_group(node: str) -> Placed:
+    """No policy given to place by: a node with no decision is reported with the nodes in no group."""
+    return Placed(OTHER_NODES)
+
+
+def placer(policy: Policy) -> Callable[[str], Placed]:
+    """Places a node by the policy's group selectors on what the report knows of it: its name (the store
+    keeps no partitions, features or GPUs of a node, nor do `node_state` events). A group that turns on
+    such a fact cannot be told, and the node stays under `*` with the reason: never guessed in or out."""
+
+    def at(node: str) -> Placed:
+        found = place(policy, unknown_node(node))
+        if found.problem is not None:
+            return Placed(OTHER_NODES, f"{found.problem} (the report knows a node by its name only)")
+        return Placed(found.group_name or OTHER_NODES)
+
+    return at
+
+
 class Pair(BaseModel):
     incident: str
     node: str
@@ -101,6 +158,14 @@ class Readiness(BaseModel):
     reasons: list[str]  # why not; empty when ready
 
 
+class Unplaced(BaseModel):
+    """One of our misses reported under `*` because the policy's groups could not be told for its node."""
+
+    event: str
+    node: str
+    why: str
+
+
 class Group(BaseModel):
     name: str
     mode_now: str | None  # the last recorded mode (None: no record)
@@ -118,6 +183,8 @@ class Group(BaseModel):
     readiness: Readiness
     pairs: list[Pair]
     missed: list[str]  # the ids of people's changes GPU Medic saw nothing before
+    thresholds: dict[str, float]  # the group's own readiness thresholds, as used
+    unplaced: list[Unplaced]  # misses kept under `*` for want of a node fact a group turns on
 
 
 class RolloutReport(BaseModel):
@@ -134,7 +201,6 @@ class RolloutReport(BaseModel):
 class _Settings:
     window: timedelta
     recurrence: timedelta
-    thresholds: Thresholds
     now: datetime
 
 
@@ -149,14 +215,19 @@ def build_rollout(
     window: timedelta = timedelta(hours=6),
     recurrence: timedelta = timedelta(days=7),
     thresholds: Thresholds = Thresholds(),
+    group_thresholds: Mapping[str, Thresholds] | None = None,
+    placed: Callable[[str], Placed] = in_no_group,
     group: str | None = None,
 ) -> RolloutReport:
     """Per group, each decision since `since` judged against people's changes in `window` after it.
 
     An incident counts once, by its first decision (a later one is the ladder stopping). Decisions and
     changes before `since` are read only as context: a change's preceding decision, a later failure.
+    A group is judged against its own thresholds (`group_thresholds`), else `thresholds`. A miss on a
+    node with no decision goes where `placed` puts the node.
     """
-    settings = _Settings(window, recurrence, thresholds, now)
+    settings = _Settings(window, recurrence, now)
+    own = group_thresholds or {}
     calls = _first_per_incident(decisions)
     changes = sorted((c for c in people if c.change in PEOPLE_ACTIONS or c.change == "resume"), key=_at)
     by_node: defaultdict[str, list[PeopleChange]] = defaultdict(list)
@@ -173,8 +244,13 @@ def build_rollout(
         grouped[d.group or OTHER_NODES].append(d)
     misses = _our_misses(changes, calls, window, since)
     missed_by_group: defaultdict[str, list[str]] = defaultdict(list)
+    unplaced: defaultdict[str, list[Unplaced]] = defaultdict(list)
+    homes: dict[str, Placed] = {node: Placed(name) for node, name in group_of_node.items()}
     for c in misses:
-        missed_by_group[group_of_node.get(c.node, OTHER_NODES)].append(c.id)
+        home = homes.get(c.node) or homes.setdefault(c.node, placed(c.node))
+        missed_by_group[home.group].append(c.id)
+        if home.why is not None:
+            unplaced[home.group].append(Unplaced(event=c.id, node=c.node, why=home.why))
 
     names = sorted(set(grouped) | set(missed_by_group))
     if group is not None:
@@ -184,14 +260,17 @@ def build_rollout(
         since=since,
         window_hours=window.total_seconds() / 3600,
         recurrence_days=recurrence.total_seconds() / 86400,
-        thresholds={
-            "decisions": thresholds.decisions,
-            "agreement": thresholds.agreement,
-            "destructive_disagreements": thresholds.destructive_disagreements,
-        },
+        thresholds=asdict(thresholds),
         groups=[
             _group(
-                name, grouped[name], missed_by_group[name], by_node, failures, modes_now.get(name), settings
+                name,
+                grouped[name],
+                (missed_by_group[name], unplaced[name]),
+                by_node,
+                failures,
+                modes_now.get(name),
+                own.get(name, thresholds),
+                settings,
             )
             for name in names
         ],
@@ -236,10 +315,11 @@ def _our_misses(
 def _group(
     name: str,
     calls: list[DecisionFact],
-    missed: list[str],
+    misses: tuple[list[str], list[Unplaced]],
     by_node: Mapping[str, list[PeopleChange]],
     failures: Mapping[str, list[Opened]],
     mode_now: str | None,
+    thresholds: Thresholds,
     settings: _Settings,
 ) -> Group:
     acting = [d for d in calls if d.action in AGREES]
@@ -248,7 +328,8 @@ def _group(
     verdicts = [p.verdict for p in pairs]
     saved = [p.saved_minutes for p in pairs if p.saved_minutes is not None]
     destructive = sum(p.action in DESTRUCTIVE and p.verdict in ("disagreed", "false_alarm") for p in pairs)
-    readiness = _readiness(pairs, destructive, settings.thresholds)
+    readiness = _readiness(pairs, destructive, thresholds)
+    missed, unplaced = misses
     return Group(
         name=name,
         mode_now=mode_now,
@@ -266,6 +347,8 @@ def _group(
         readiness=readiness,
         pairs=pairs,
         missed=missed,
+        thresholds=asdict(thresholds),
+        unplaced=unplaced,
     )
 
 

@@ -10,6 +10,11 @@ correlation window, the events cross-node conditions can still look back at (per
 the policy's `count` and `switch` conditions reach), the remediations of the last week and the
 incidents waiting for an older one: not the input. The result is the batch one: `correlate` over
 every event, decided with every event as the context.
+
+Each incident is decided in its node's group and mode as the live path decides it
+(medic/policy/groups.py: `place_all`, `policy_for`, `in_mode`), on what triage knows of the node:
+its name, and what the caller says the scheduler says of it (`nodes`). A group whose selector needs
+a fact not given cannot be told, and the incident escalates, as a live one does.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import heapq
 from array import array
 from bisect import bisect_left, bisect_right
 from collections import Counter, deque
-from collections.abc import Callable, Generator, Hashable, Iterable, Iterator
+from collections.abc import Callable, Generator, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -32,11 +37,12 @@ from medic.culprit import Differential
 from medic.errors import MedicError
 from medic.events import EventKind, FaultEvent
 from medic.facts import HISTORY_WINDOW, RETURNS, TAKES_OUT, Facts, facts_of, taken_out_by_us
-from medic.incidents import Incident, Storms, incident_id
+from medic.incidents import Incident, Scope, Storms, incident_id
 from medic.intake import Rejection, bounded_lines, parse_line
-from medic.policy import LoadedPolicy, Policy, decide, guardrails
+from medic.policy import LoadedPolicy, Mode, Policy, decide, groups, guardrails
 from medic.policy.guardrails import HOUR, Acting, FleetState, takes_node_out
 from medic.policy.model import DESTRUCTIVE, Action, Decision
+from medic.protocols import NodeInfo
 
 
 class TriageLine(BaseModel):
@@ -49,17 +55,26 @@ class TriageLine(BaseModel):
     diagnose_level: int | None
     rule: str
     reason: str
+    # Added within schema version 1 (docs/triage.md): the node's group and mode, and why no group
+    # could be told (the incident is then escalated, its mode observe).
+    group: str | None = None
+    mode: Literal["observe", "contain", "remediate"] = "remediate"
+    group_problem: str | None = None
 
 
-def triage_line(incident: Incident, decision: Decision) -> TriageLine:
+def triage_line(replayed: Replayed) -> TriageLine:
+    decision = replayed.decision
     return TriageLine(
-        incident=incident.id,
-        nodes=incident.nodes,
+        incident=replayed.incident.id,
+        nodes=replayed.incident.nodes,
         classification=decision.classification.value,
         action=decision.action.value,
         diagnose_level=decision.diagnose_level,
         rule=decision.rule,
         reason=decision.reason,
+        group=decision.group,
+        mode=decision.mode.value,
+        group_problem=replayed.placement.problem,
     )
 
 
@@ -109,6 +124,32 @@ class _ReplayedFleet:
         self.taken_out_at = {node: at for node, at in self.taken_out_at.items() if at >= moment}
 
 
+class GroupLimits:
+    """Each node group's own guardrails, held over the decisions on its own nodes as a replay's
+    decisions so far would have left them, after the policy's over the fleet (as `check_rails` in
+    tasks/evidence.py holds them live). How many nodes a group has is the scheduler's to say: only
+    the count limits apply."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.rails = {g.name: r for g in policy.groups if (r := groups.group_rails(policy, g)) is not None}
+        self.fleets = {name: _ReplayedFleet(None) for name in self.rails}
+
+    def check(
+        self, group: str | None, now: datetime, opened: datetime, node: str, decision: Acting, scope: Scope
+    ) -> tuple[str, str] | None:
+        """The first of the group's limits the decision would break, as (name, why); None when all hold."""
+        rails = self.rails.get(group) if group is not None else None
+        if group is None or rails is None:
+            return None
+        hit = guardrails.check(rails, self.fleets[group].state(now, opened), node, decision, scope)
+        return (hit[0], f"{hit[1]} in group {group}") if hit else None
+
+    def record(self, group: str | None, node: str, now: datetime, decision: Acting) -> None:
+        fleet = self.fleets.get(group) if group is not None else None
+        if fleet is not None:
+            fleet.record(node, now, decision)
+
+
 @dataclass(frozen=True, slots=True)
 class Replayed:
     """One decision of a replay. The incident's `history` holds the node's remediations that can
@@ -116,7 +157,8 @@ class Replayed:
 
     incident: Incident
     facts: Facts
-    decision: Decision
+    decision: Decision  # in the node's mode: in observe mode what would have been done (`groups.observed`)
+    placement: groups.Placement  # the node's group and mode, and why
 
 
 class OutOfOrder(MedicError, ValueError):
@@ -125,15 +167,20 @@ class OutOfOrder(MedicError, ValueError):
 
 
 def replay(
-    events: Iterable[FaultEvent], loaded: LoadedPolicy, fleet_size: int | None = None
+    events: Iterable[FaultEvent],
+    loaded: LoadedPolicy,
+    fleet_size: int | None = None,
+    nodes: Sequence[NodeInfo] = (),
 ) -> Iterator[Replayed]:
     """Decide on each incident in time order, as the flows would, without acting.
 
     Cross-node conditions see every event of the input; guardrails see the fleet as the earlier
-    decisions would have left it. Without `fleet_size` only the count limits apply. The events
-    may come in any order (they are sorted first); `stream` takes them already in order.
+    decisions would have left it. Without `fleet_size` only the count limits apply. Each incident is
+    decided in its node's group and mode, placed on what `nodes` say of it (as the scheduler's
+    records would), else on its name alone. The events may come in any order (they are sorted
+    first); `stream` takes them already in order.
     """
-    return stream(sorted(events, key=_order), loaded, fleet_size)
+    return stream(sorted(events, key=_order), loaded, fleet_size, nodes=nodes)
 
 
 def stream(
@@ -141,13 +188,14 @@ def stream(
     loaded: LoadedPolicy,
     fleet_size: int | None = None,
     slack: timedelta | None = None,
+    nodes: Sequence[NodeInfo] = (),
 ) -> Iterator[Replayed]:
     """`replay` over events that come in time order, each decision out as soon as it is final.
 
     An event may come up to `slack` (default: the policy's incident window) after a later one;
     one that comes later than that raises `OutOfOrder`.
     """
-    streaming = Stream(loaded, fleet_size, slack)
+    streaming = Stream(loaded, fleet_size, slack, nodes=nodes)
     for event in events:
         yield from streaming.push(event)
     yield from streaming.finish()
@@ -289,7 +337,7 @@ def _order(event: FaultEvent) -> tuple[datetime, str]:
 def _lookbacks(policy: Policy) -> dict[EventKind, timedelta]:
     """How far back cross-node conditions look, per kind they count: the context worth keeping."""
     reach: dict[EventKind, timedelta] = {}
-    for rule in policy.rules:
+    for rule in policy.every_rule():  # a group's rules count too, for its nodes
         spans = [(c.event_kinds(), c.within_minutes) for c in rule.when.count or ()]
         if rule.when.switch:
             spans.append((tuple(rule.when.switch.kinds), rule.when.switch.within_minutes))
@@ -433,9 +481,11 @@ class Stream:
         fleet_size: int | None = None,
         slack: timedelta | None = None,
         prune_every: int = 1024,  # events between two prunings of the context
+        nodes: Sequence[NodeInfo] = (),  # what the scheduler says of nodes, for their groups
     ) -> None:
         policy = self.policy = loaded.policy
         self.sha256 = loaded.sha256
+        self.nodes = nodes
         window = timedelta(minutes=policy.defaults.incident_window_minutes)
         self.window = window // MICROSECOND
         self.slack = (window if slack is None else slack) // MICROSECOND
@@ -445,6 +495,7 @@ class Stream:
         self.breaker_window = timedelta(minutes=breaker.window_minutes if breaker else 0)
         self.context = _Recent(_lookbacks(policy), fleet_size)
         self.fleet = _ReplayedFleet(fleet_size)
+        self.group_limits = GroupLimits(policy)
         self.prune_every = prune_every
         self.since_pruning = 0
         # Stage 1: the reorder buffer, the latest time seen, and the last event passed on.
@@ -612,18 +663,27 @@ class Stream:
         facts = facts_of(
             incident, out_of_service=out, context=self.context, gpu_history=self._gpu_history(incident)
         )
-        decision = guardrails.apply(
-            self.policy.guardrails,
-            self.fleet.state(now, incident.opened_at),
-            incident.node,
-            decide(self.policy, facts, self.sha256),
-            incident.scope,
+        # The node's group and mode, as the live path's `evaluate` (tasks/evidence.py) places it.
+        placement = groups.place_all(
+            self.policy, incident.nodes if incident.scope == "switch" else [incident.node], self.nodes
         )
-        self.fleet.record(incident.node, now, decision)
+        decided = decide(groups.policy_for(self.policy, placement.group), facts, self.sha256)
+        decision = groups.in_mode(self._guarded(incident, placement.group_name, decided, now), placement)
+        if placement.mode is not Mode.OBSERVE:  # a node only watched is left as it was (no breaker either)
+            self.fleet.record(incident.node, now, decision)
+            self.group_limits.record(placement.group_name, incident.node, now, decision)
         if self.gpu_reach and incident.scope == "node" and facts.gpus:
             past = PastIncident.of(incident, decision.classification.value)
             self.gpu_history.setdefault(incident.node, deque()).append(past)
-        return Replayed(incident, facts, decision)
+        return Replayed(incident, facts, decision, placement)
+
+    def _guarded(self, incident: Incident, group: str | None, decided: Decision, now: datetime) -> Decision:
+        """The decision as the guardrails let it be: the policy's over the fleet, then the group's."""
+        state = self.fleet.state(now, incident.opened_at)
+        stopped = guardrails.check(
+            self.policy.guardrails, state, incident.node, decided, incident.scope
+        ) or self.group_limits.check(group, now, incident.opened_at, incident.node, decided, incident.scope)
+        return decided if stopped is None else guardrails.stop(decided, stopped)
 
     def _gpu_history(self, incident: Incident) -> tuple[PastIncident, ...]:
         """The node's incidents decided before this one, within reach. Every later decision is of

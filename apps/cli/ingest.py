@@ -65,7 +65,7 @@ def _dry_run(rt: Runtime, intake: Intake) -> None:
     table = Table(title="Dry run: what would be done (nothing was changed)", title_justify="left")
     for column in ("incident", "node", "decision", "would do"):
         table.add_column(column, overflow="fold")
-    for result in replay(fresh, loaded, fleet_size=len(nodes)):
+    for result in replay(fresh, loaded, fleet_size=len(nodes), nodes=nodes):
         d = result.decision
         jobs = _jobs_on(rt, result.incident) or result.incident.jobs
         policy = loaded.policy

@@ -5,6 +5,7 @@ from __future__ import annotations
 from medic.deep_check import verify_checks
 from medic.policy import Action, Decision
 from medic.policy.deep_checks import CheckName, DeepChecks
+from medic.policy.groups import observed
 from medic.policy.model import DESTRUCTIVE
 
 
@@ -17,6 +18,10 @@ def plan_steps(
             f"escalate: {decision.blocked_action} stopped by guardrail {decision.guardrail}",
             "notify the owner",
         ]
+    if observed(decision):
+        # The node's group observes: the flow says what it would have done and touches nothing.
+        group = f" (group {decision.group})" if decision.group else ""
+        return [f"observe mode{group}: touch nothing", f"tell the owner: would have {action.value} {node}"]
     steps: list[str] = []
     if action is Action.DIAGNOSE:
         level = decision.diagnose_level or 1

@@ -15,14 +15,16 @@ from rich.table import Table
 from medic.apps.cli._common import console, err, load_policy_or_exit, report_rejections
 from medic.config import load_settings
 from medic.intake import read_file
-from medic.policy import PolicyError, decide, groups, load_policy
+from medic.policy import Mode, PolicyError, groups, load_policy
 from medic.policy.explain import describe, trace
+from medic.policy.guardrails import UNGUARDED
 from medic.policy.model import Policy
+from medic.policy.selectors import OTHER_NODES
 from medic.protocols import NodeInfo, NodeState
 from medic.shipped import SHIPPED_POLICY
 from medic.triage import replay
 from medic.whatif.replay import ChangeLimit
-from medic.whatif.replay_report import Count, ReplayReport
+from medic.whatif.replay_report import ChangedIncident, Count, GroupResult, ReplayReport
 from medic.whatif.testing import default_tests_path, load_tests, run_tests
 
 policy_app = typer.Typer(help="Check and inspect policy files.", no_args_is_help=True)
@@ -120,16 +122,10 @@ def policy_explain(
         return
     intake = read_file(events)
     report_rejections(intake)
-    for result in replay(intake.events, loaded, fleet_size):
+    for result in replay(intake.events, loaded, fleet_size, [given] if node else []):
         console.rule(f"{result.incident.id} on {result.incident.subject}")
-        names = [result.incident.node] if result.incident.scope == "node" else result.incident.nodes
-        placement = groups.place_all(loaded.policy, names, [given] if node else [])
-        effective = groups.policy_for(loaded.policy, placement.group)
-        # A group's own rules and approvals: decided again with them (the replay's has the policy's).
-        decided = (
-            result.decision if effective is loaded.policy else decide(effective, result.facts, loaded.sha256)
-        )
-        decision = groups.in_mode(decided, placement)
+        decision, placement = result.decision, result.placement
+        effective = groups.policy_for(loaded.policy, placement.group)  # the rules it was decided with
         _print_placement(placement)
         facts = Table.grid(padding=(0, 2))
         for name, value in describe(result.facts).items():
@@ -303,20 +299,23 @@ def _print_replay(report: ReplayReport) -> None:
         return
     console.print(_counts_table("Actions (each incident's last decision)", report.actions))
     console.print(_counts_table("Rules (each incident's last decision)", report.rules))
+    if any(g.group != OTHER_NODES or g.would_have.before or g.would_have.after for g in report.groups):
+        console.print(_groups_table(report.groups))
     if report.changes:
         table = Table(
             title=f"Changed incidents ({min(SHOWN, report.changed)} of {report.changed})",
             title_justify="left",
         )
-        for column in ("incident", "node", "before", "after", "record"):
+        for column in ("incident", "node", "group", "before", "after", "record"):
             table.add_column(column, overflow="fold")
         for change in report.changes[:SHOWN]:
             before, after = change.before, change.after
             table.add_row(
                 escape(change.incident),
                 escape(change.node),
+                f"{escape(change.group)} ({change.mode.value})",
                 f"{' → '.join(change.steps_before)} ({before.rule}{_stopped(before.guardrail)})",
-                f"{' → '.join(change.steps_after)} ({after.rule}{_stopped(after.guardrail)})",
+                f"{_said(change)}{' → '.join(change.steps_after)} ({after.rule}{_stopped(after.guardrail)})",
                 escape("\n".join(filter(None, [change.command, change.flow_run_url]))),
             )
         console.print(table)
@@ -346,6 +345,32 @@ def _print_replay(report: ReplayReport) -> None:
         console.print(table)
     for why in report.exceeded:
         err.print(f"[red]over the limit:[/red] {escape(why)}")
+
+
+def _groups_table(rows: list[GroupResult]) -> Table:
+    """Each group's incidents, by their last decision: node actions carried out, or only said (observe)."""
+    table = Table(
+        title="Node groups (each incident's last decision; `would have`: observe mode, nothing done)",
+        title_justify="left",
+    )
+    for column in ("group", "mode", "incidents", "changed", "acted", "would have"):
+        table.add_column(column, justify="left" if column in ("group", "mode") else "right")
+    for row in rows:
+        table.add_row(
+            escape(row.group),
+            row.mode.value,
+            str(row.incidents),
+            str(row.changed),
+            f"{row.acted.before} → {row.acted.after}",
+            f"{row.would_have.before} → {row.would_have.after}",
+        )
+    return table
+
+
+def _said(change: ChangedIncident) -> str:
+    """What comes before a node action only said (observe mode); an escalation reaches people in
+    every mode (medic.policy.groups.observed)."""
+    return "would have: " if change.mode is Mode.OBSERVE and change.after.action not in UNGUARDED else ""
 
 
 def _stopped(guardrail: str | None) -> str:

@@ -1,19 +1,22 @@
 """`medic rollout report`: per node group, GPU Medic's decisions beside what people did to the same
-nodes (docs/rollout.md#the-report), as text or JSON."""
+nodes (docs/rollout.md#the-report), as text or JSON, and as an HTML page."""
 
 from __future__ import annotations
 
 import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from medic.apps.cli._common import console
+from medic.apps.cli._common import PolicyOption, console, err, load_policy_or_exit
 from medic.apps.cli.incidents import _since
+from medic.apps.cli.rollout_html import rollout_page
 from medic.config import load_settings
-from medic.rollout import Group, RolloutReport, Thresholds, build_rollout
+from medic.rollout import Group, Override, RolloutReport
 from medic.store import Store, utcnow
+from medic.store.rollout import RECURRENCE, WINDOW
 
 rollout_app = typer.Typer(
     help="Earn automatic mode: GPU Medic's decisions compared with what people did.", no_args_is_help=True
@@ -28,41 +31,52 @@ def rollout_report(
     ] = "30d",
     window_hours: Annotated[
         float, typer.Option(min=0.1, help="Hours after a decision in which people's action is its answer.")
-    ] = 6.0,
+    ] = WINDOW.total_seconds() / 3600,
     recurrence_days: Annotated[
         float,
         typer.Option(
             min=0.1, help="Days in which a node's next incident makes a would-have a miss by people."
         ),
-    ] = 7.0,
-    min_decisions: Annotated[int, typer.Option(min=0, help="Readiness: would-have decisions at least.")] = 50,
+    ] = RECURRENCE.total_seconds() / 86400,
+    min_decisions: Annotated[
+        int | None,
+        typer.Option(
+            min=0, help="Readiness: would-have decisions at least (default: the policy's `readiness`)."
+        ),
+    ] = None,
     min_agreement: Annotated[
-        float, typer.Option(min=0.0, max=1.0, help="Readiness: agreement at least (0 to 1).")
-    ] = 0.95,
+        float | None,
+        typer.Option(min=0.0, max=1.0, help="Readiness: agreement at least, 0 to 1 (default: the policy's)."),
+    ] = None,
     max_destructive: Annotated[
-        int, typer.Option(min=0, help="Readiness: destructive disagreements at most.")
-    ] = 0,
+        int | None,
+        typer.Option(min=0, help="Readiness: destructive disagreements at most (default: the policy's)."),
+    ] = None,
+    policy: PolicyOption = None,
+    html: Annotated[
+        Path | None,
+        typer.Option(help="Also write one self-contained HTML page with a plot per group.", dir_okay=False),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object instead of text.")] = False,
 ) -> None:
     """Per node group: agreed, disagreed, would have acted where people did nothing (missed by people or
-    a false alarm), people acted where GPU Medic saw nothing, minutes saved, and a readiness line."""
+    a false alarm), people acted where GPU Medic saw nothing, minutes saved, and a readiness line against
+    the policy's thresholds (an option given wins over them, for every group)."""
     started = _since(since)
-    window = timedelta(hours=window_hours)
+    loaded = load_policy_or_exit(policy)
     store = Store(load_settings().database_url)
-    # From a window earlier: a change early in the span needs the decision or change just before it.
-    rows = store.rollout_rows(None if started is None else started - window)
-    built = build_rollout(
-        rows.decisions,
-        rows.people,
-        rows.opened,
-        modes_now=store.last_modes(),
+    built = store.rollout_report(
+        loaded.policy,
         since=started,
         now=utcnow(),
-        window=window,
+        window=timedelta(hours=window_hours),
         recurrence=timedelta(days=recurrence_days),
-        thresholds=Thresholds(min_decisions, min_agreement, max_destructive),
+        override=Override(min_decisions, min_agreement, max_destructive),
         group=group,
     )
+    if html is not None:
+        html.write_text(rollout_page(built), encoding="utf-8")
+        err.print(f"wrote {html}", markup=False, highlight=False)
     if as_json:
         sys.stdout.write(built.model_dump_json(indent=2) + "\n")
         return
@@ -93,6 +107,7 @@ def _lines(g: Group) -> list[str]:
         f"  would have {g.would_have}: agreed {g.agreed}, disagreed {g.disagreed}, "
         f"missed by people {g.missed_by_people}, false alarm {g.false_alarm}, pending {g.pending}",
         f"  destructive disagreements {g.destructive_disagreements}; our misses {g.our_misses}",
+        *(f"    not placed in a group: {u.why}" for u in g.unplaced),
         f"  minutes saved: median {median}, total {g.saved_minutes_total:.0f}",
         f"  readiness: {verdict}",
     ]

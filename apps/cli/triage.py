@@ -32,10 +32,10 @@ from medic.apps.cli._common import (
 )
 from medic.apps.cli.triage_parallel import ForkedReader, ReadingFailed, reader_for
 from medic.events import FaultEvent
-from medic.incidents import Incident
 from medic.intake import Intake
 from medic.intake import read_file as read_all
-from medic.policy.model import Decision
+from medic.policy import groups
+from medic.policy.selectors import OTHER_NODES
 from medic.triage import EventReader, OutOfOrder, Replayed, replay, stream, triage_line
 
 
@@ -64,9 +64,9 @@ def triage(
 
         def take(result: Replayed) -> None:
             if as_json:
-                spool.write(triage_line(result.incident, result.decision).model_dump_json() + "\n")
+                spool.write(triage_line(result).model_dump_json() + "\n")
             else:
-                rows.append(_row(result.incident, result.decision))
+                rows.append(_row(result))
 
         try:
             read = reader.events(lambda rejection: report_rejections(Intake(rejected=[rejection])))
@@ -93,24 +93,37 @@ def triage(
             shutil.copyfileobj(spool, sys.stdout)
             return
     table = Table(title=f"Triage with {loaded.path} ({loaded.sha256[:12]})", title_justify="left")
-    for column in ("incident", "nodes", "events", "class", "action", "level", "rule", "reason"):
+    columns = ("incident", "nodes", "events", "group", "class", "action", "level", "rule", "reason")
+    for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(*row)
     console.print(table)
 
 
-def _row(incident: Incident, decision: Decision) -> tuple[str | Text, ...]:
+def _row(result: Replayed) -> tuple[str | Text, ...]:
+    incident, decision, placement = result.incident, result.decision, result.placement
+    action = render.action_text(decision.action.value)
+    if groups.observed(decision):  # as the live path tells the owner: nothing would be done
+        action = Text.assemble("would have: ", action)
     return (
         incident.id,
         ", ".join(incident.nodes),
         str(len(incident.events)),
+        _group_cell(placement),
         decision.classification.value,
-        render.action_text(decision.action.value),
+        action,
         str(decision.diagnose_level or ""),
         decision.rule,
         decision.reason,
     )
+
+
+def _group_cell(placement: groups.Placement) -> str | Text:
+    """The node's group and mode; `undecidable` in red when no group could be told (the reason says why)."""
+    if placement.problem is not None:
+        return Text.assemble(("undecidable", "red"), f" ({placement.mode.value})")
+    return f"{placement.group_name or OTHER_NODES} ({placement.mode.value})"
 
 
 @contextmanager

@@ -14,7 +14,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from medic.policy import Policy, PolicyError
+from medic.rollout import RolloutReport
 from medic.store import Store, utcnow
+from medic.store.rollout import SINCE
 from medic.tasks.runtime import PolicyStatus, configured
 
 
@@ -195,6 +198,104 @@ class PolicyCollector(Collector):
         )
 
 
+def _policy_now() -> Policy | None:
+    """The policy in force, as an incident would read it; None with no runtime or none ever loaded."""
+    rt = configured()
+    if rt is None:
+        return None
+    try:
+        return rt.policy().policy
+    except PolicyError:  # none in force: PolicyCollector says so
+        return None
+
+
+VERDICTS = ("agreed", "disagreed", "missed_by_people", "false_alarm", "pending")
+
+
+class RolloutCollector(Collector):
+    """Each node group's rollout record (docs/rollout.md#on-metrics): `medic rollout report` over its
+    default span (the last 30 days), from the store at scrape time, judged against the policy in force.
+    Without a policy in force there is no bar to judge against, and nothing is shown."""
+
+    def __init__(self, store: Store, policy: Callable[[], Policy | None] = _policy_now) -> None:
+        self.store = store
+        self.policy = policy
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()  # named here, so registering reads nothing
+
+    def collect(self) -> Iterator[Metric]:
+        policy = self.policy()
+        if policy is None:
+            return
+        now = utcnow()
+        try:
+            built = self.store.rollout_report(policy, since=now - SINCE, now=now)
+        except Exception:  # the store's trouble: medic_store_up says it
+            return
+        yield from self._filled(built)
+
+    def _filled(self, built: RolloutReport) -> Iterator[Metric]:
+        verdicts, misses, destructive, agreement, ready, saved = self._families()
+        for g in built.groups:
+            for verdict in VERDICTS:
+                verdicts.add_metric([g.name, verdict], getattr(g, verdict))
+            misses.add_metric([g.name], g.our_misses)
+            destructive.add_metric([g.name], g.destructive_disagreements)
+            if g.readiness.agreement is not None:
+                agreement.add_metric([g.name], g.readiness.agreement)
+            ready.add_metric([g.name], 1 if g.readiness.ready else 0)
+            saved.add_metric([g.name], g.saved_minutes_total)
+        yield from (verdicts, misses, destructive, agreement, ready, saved)
+
+    @staticmethod
+    def _families() -> tuple[
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+    ]:
+        group = ["group"]
+        return (
+            GaugeMetricFamily(
+                "medic_rollout_decisions",
+                "Would-have decisions (observe mode, a node action) of the last 30 days, by node group and "
+                "verdict beside what people did: agreed, disagreed, missed_by_people, false_alarm, pending.",
+                labels=["group", "verdict"],
+            ),
+            GaugeMetricFamily(
+                "medic_rollout_our_misses",
+                "People's actions of the last 30 days on a group's nodes with no decision of GPU Medic before.",
+                labels=group,
+            ),
+            GaugeMetricFamily(
+                "medic_rollout_destructive_disagreements",
+                "Would-have reset_gpu, reboot or replace decisions of the last 30 days disagreed or a false "
+                "alarm, by node group.",
+                labels=group,
+            ),
+            GaugeMetricFamily(
+                "medic_rollout_agreement_ratio",
+                "Share of a group's judged would-have decisions of the last 30 days people or the node bore "
+                "out; absent while none is judged.",
+                labels=group,
+            ),
+            GaugeMetricFamily(
+                "medic_rollout_ready",
+                "1 if the group clears the policy's readiness thresholds over the last 30 days, else 0.",
+                labels=group,
+            ),
+            GaugeMetricFamily(
+                "medic_rollout_saved_minutes",
+                "Minutes GPU Medic would have saved over a group's agreed decisions of the last 30 days "
+                "(people's action time minus its decision's).",
+                labels=group,
+            ),
+        )
+
+
 class IngestMetrics:
     def __init__(
         self, store: Store, policy_status: Callable[[], PolicyStatus | None] = _policy_in_force
@@ -233,3 +334,4 @@ class IngestMetrics:
         )
         self.registry.register(StoreCollector(store))
         self.registry.register(PolicyCollector(policy_status))
+        self.registry.register(RolloutCollector(store))

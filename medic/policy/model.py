@@ -413,6 +413,36 @@ class GroupApprovals(_Strict):
     on_timeout: Literal["escalate", "proceed"] | None = None
 
 
+class ReadinessThresholds(_Strict):
+    """When the rollout report calls a group ready for more automatic mode (docs/rollout.md#readiness):
+    all three must hold."""
+
+    min_decisions: int = Field(
+        50, ge=0, le=1_000_000, description="Would-have decisions (observe mode, a node action) at least."
+    )
+    min_agreement: float = Field(
+        0.95,
+        ge=0,
+        le=1,
+        description="Share of the judged would-have decisions people or the node bore out, at least (0 to 1).",
+    )
+    max_destructive_disagreements: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="Would-have reset_gpu, reboot or replace decisions that were disagreed or a false alarm, "
+        "at most.",
+    )
+
+
+class GroupReadinessThresholds(_Strict):
+    """What a group changes of `readiness` for its own report; a key left out keeps the policy's value."""
+
+    min_decisions: int | None = Field(None, ge=0, le=1_000_000)
+    min_agreement: float | None = Field(None, ge=0, le=1)
+    max_destructive_disagreements: int | None = Field(None, ge=0, le=1_000_000)
+
+
 GROUP_NAME = r"^[a-z0-9][a-z0-9_.-]*$"
 
 
@@ -438,6 +468,9 @@ class Group(_Strict):
         default_factory=list,
         description="More rules for the group's nodes, decided with the policy's (ids unique across the policy).",
     )
+    readiness: GroupReadinessThresholds | None = Field(
+        None, description="What changes of `readiness` for the group's rollout report."
+    )
 
 
 class Policy(_Strict):
@@ -462,6 +495,10 @@ class Policy(_Strict):
         description="Node shapes and the checks a node passes before it returns to service (docs/deep-checks.md).",
     )
     spares: Spares = Field(default_factory=Spares)
+    readiness: ReadinessThresholds = Field(
+        default_factory=ReadinessThresholds,
+        description="When `medic rollout report` calls a group ready (docs/rollout.md#readiness).",
+    )
     rules: list[Rule]
 
     def every_rule(self) -> list[Rule]:

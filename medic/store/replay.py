@@ -21,6 +21,7 @@ from medic.events import EventKind, FaultEvent, validated_event
 from medic.facts import HISTORY_WINDOW
 from medic.incidents import Scope
 from medic.policy.model import Action
+from medic.policy.selectors import Mode
 from medic.store.events import EventsMixin
 from medic.store.tables import BreakerRecord, DecisionRecord, EventRecord, IncidentRecord
 from medic.whatif.replay import History, RecordedDecision
@@ -160,6 +161,7 @@ def _decisions(incidents: Select[*tuple[Any, ...]] | None) -> Select[*tuple[Any,
         _as_stored(DecisionRecord.decided_at),
         *(col(c) for c in (DecisionRecord.rule, DecisionRecord.action, DecisionRecord.diagnose_level)),
         col(DecisionRecord.guardrail),
+        col(DecisionRecord.mode),
     ]
     # The facts as JSON text: pydantic reads it in one pass (medic.whatif.replay.FactsRecord).
     facts = cast(col(DecisionRecord.facts), Text).label("facts")
@@ -170,7 +172,7 @@ def _decisions(incidents: Select[*tuple[Any, ...]] | None) -> Select[*tuple[Any,
 
 
 def _recorded(row: Any, incident: _Incident, outcomes: dict[tuple[Any, ...], Outcome]) -> RecordedDecision:
-    id_, incident_id, decided_at, rule, action, level, guardrail, facts = row
+    id_, incident_id, decided_at, rule, action, level, guardrail, mode, facts = row
     # Decisions come in few outcomes (a rule, its action and level, the guardrail): one object each.
     key = (rule, action, level, guardrail)
     outcome = outcomes.get(key)
@@ -181,10 +183,13 @@ def _recorded(row: Any, incident: _Incident, outcomes: dict[tuple[Any, ...], Out
     node, scope, flow_run_id = incident
     # A decision recorded without facts holds SQL NULL, or JSON null when written through the ORM.
     kept = None if facts is None or facts == "null" else facts
-    return RecordedDecision(id_, incident_id, node, scope, _utc(decided_at), outcome, kept, flow_run_id)
+    return RecordedDecision(
+        id_, incident_id, node, scope, _utc(decided_at), outcome, kept, flow_run_id, _MODES.get(mode)
+    )
 
 
 _parse_time = datetime.fromisoformat
+_MODES = {mode.value: mode for mode in Mode}  # NULL before modes were recorded: None
 
 
 def _utc(value: str | datetime) -> datetime:

@@ -9,6 +9,11 @@ the time a human closed the real one. A decision recorded before facts were kept
 rebuilt from the incident's stored events and the node's history, the way the flows build them,
 and the report counts those.
 
+Each incident is decided in its node's group and mode under the new policy, placed as the live path
+places it (medic/policy/groups.py) on what the store knows of the node: its name. A group that turns
+on the scheduler's facts (partitions, features, GPUs) cannot be told, and the incident escalates, as
+a live one does.
+
 The replay is made in two halves: `redecide` decides the recorded decisions again, which may be
 split over processes by incident (apps/cli/replay_parallel.py, `decided_as_one`), and `judge`
 (medic/whatif/replay_report.py) replays the guardrails over all of them and makes the report, whose
@@ -32,7 +37,7 @@ from medic.dcgm_errors import Severity
 from medic.events import EventKind, FaultEvent
 from medic.facts import DiagnosticFact, Facts, facts_of, taken_out_by_us
 from medic.incidents import Incident, Scope
-from medic.policy import LoadedPolicy
+from medic.policy import LoadedPolicy, Mode, groups
 from medic.policy.engine import Ruling, ruling, window
 from medic.whatif.replay_report import Outcome, Redecided, Redecisions, ReplayReport, judge
 
@@ -139,6 +144,7 @@ class RecordedDecision(NamedTuple):
     outcome: Outcome  # as recorded: rule, action, level, guardrail
     facts: str | None  # a FactsRecord as JSON; None when recorded before facts were kept
     flow_run_id: str | None = None
+    mode: Mode | None = None  # the mode it ran in; None: recorded before modes, acted on as remediate
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +192,7 @@ class Redeciding:
             decided = decider.decide(record)
             if decided is None:
                 continue
-            key, fleet_size = decided
+            key, fleet_size, placement = decided
             # Decisions come in few outcomes (a rule, its action and level): one object each.
             after = outcomes.get(key)
             if after is None:
@@ -203,6 +209,10 @@ class Redeciding:
                 fleet_size,
                 last_of[record.incident] == index,
                 record.flow_run_id,
+                record.mode is Mode.OBSERVE,
+                placement.group_name,
+                placement.mode,
+                placement.problem is not None,
             )
 
     def summary(self, decisions: Sequence[Redecided]) -> Redecisions:
@@ -299,6 +309,7 @@ class _Ruled:
     fleet_size: int | None
     switch_size: tuple[str, int] | None
     ruling: Ruling
+    placement: groups.Placement  # the node's group and mode under the new policy
 
     def holds_for(self, key: str, now: datetime) -> bool:
         """Whether a later decision of the incident, on facts `key` at `now`, decides the same.
@@ -339,9 +350,9 @@ class _Decider:
         self.read: tuple[datetime, datetime] | None = None  # the stretch windowed conditions may read
         self.sizes_recorded = self.sizes_missing = False
 
-    def decide(self, record: RecordedDecision) -> tuple[Ruling, int | None] | None:
-        """The decision made again, and the fleet size its guardrails see; None when its events are
-        no longer in the store."""
+    def decide(self, record: RecordedDecision) -> tuple[Ruling, int | None, groups.Placement] | None:
+        """The decision made again, the fleet size its guardrails see and the node's placement; None
+        when its events are no longer in the store."""
         if record.facts is None:
             facts = _rebuilt(record, self.history, self.context)
             if facts is None:
@@ -349,20 +360,31 @@ class _Decider:
             self.rebuilt += 1
             self.sizes_missing |= facts.switch is not None
             self._reads(facts)
+            placement = self._placed(facts, record.scope)
             # No fleet size was recorded: only the count limits apply, as in `medic triage`.
-            return ruling(self.loaded.policy, facts), None
+            return self._ruling(facts, placement), None, placement
         key, now = _cut_now(record.facts)
         prior = self.ruled.get(record.incident)
         if prior is None or not prior.holds_for(key, now):
-            prior = self._rule(record.facts, key, now)
+            prior = self._rule(record.facts, key, now, record.scope)
             if prior is None:
                 return None
             self.ruled[record.incident] = prior
         if prior.switch_size is not None:
             self.switch_sizes[prior.switch_size[0]] = prior.switch_size[1]
-        return prior.ruling, prior.fleet_size
+        return prior.ruling, prior.fleet_size, prior.placement
 
-    def _rule(self, text: str, key: str, now: datetime) -> _Ruled | None:
+    def _placed(self, facts: Facts, scope: Scope) -> groups.Placement:
+        """The incident's group and mode, on its nodes' names: the store keeps no scheduler facts."""
+        return groups.place_all(
+            self.loaded.policy, list(facts.nodes) if scope == "switch" else [facts.node], ()
+        )
+
+    def _ruling(self, facts: Facts, placement: groups.Placement) -> Ruling:
+        """Decided with the group's rules besides the policy's, as the live path decides."""
+        return ruling(groups.policy_for(self.loaded.policy, placement.group), facts)
+
+    def _rule(self, text: str, key: str, now: datetime, scope: Scope) -> _Ruled | None:
         """Decide on kept facts; None when their events are no longer in the store."""
         kept = FactsRecord.model_validate_json(text)
         try:
@@ -377,13 +399,15 @@ class _Decider:
             self.sizes_missing |= kept.switch is not None
         faults = [e.time for e in facts.events if e.kind is not EventKind.DIAGNOSTIC]
         self._reads(facts)
+        placement = self._placed(facts, scope)
         return _Ruled(
             key=key,
             now=now,
             newest_fault=max(faults, default=None),
             fleet_size=kept.fleet_size,
             switch_size=(kept.switch, kept.switch_size) if kept.switch and kept.switch_size else None,
-            ruling=ruling(self.loaded.policy, facts),
+            ruling=self._ruling(facts, placement),
+            placement=placement,
         )
 
     def _reads(self, facts: Facts) -> None:

@@ -2,6 +2,11 @@
 guardrails replayed in time order over the decisions made again (medic/whatif/replay.py), as
 `medic triage` replays them, then every incident's story compared with the recorded one.
 
+Each incident is judged in its node's group and mode under the new policy (medic/whatif/replay.py
+places it): a group's own limits hold over its own nodes, and a node action in observe mode is what
+would have been done, never carried out: it takes no node out and opens no breaker. The report
+breaks the incidents down by group.
+
 The JSON form of `ReplayReport` is a public contract (docs/policy.md#replay); tests pin it.
 """
 
@@ -18,10 +23,15 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict
 
 from medic.incidents import Scope
-from medic.policy import LoadedPolicy, guardrails
+from medic.policy import LoadedPolicy, Mode, guardrails
 from medic.policy.guardrails import UNGUARDED, Acting, FleetState, takes_node_out
 from medic.policy.model import Action, Policy
-from medic.triage import _ReplayedFleet
+from medic.policy.selectors import OTHER_NODES
+from medic.triage import GroupLimits, _ReplayedFleet
+
+# The row of the incidents whose node's group cannot be told from its name (no group is named so:
+# group names start with a letter or digit).
+UNDECIDABLE = "?"
 
 SCHEMA_VERSION = 1
 
@@ -55,6 +65,8 @@ class ChangedIncident(BaseModel):
     command: str  # shows the incident's record: `medic incident ID`
     flow_run_id: str | None
     flow_run_url: str | None = None  # its run in the Prefect UI, where the UI's address is known
+    group: str = OTHER_NODES  # its row in `ReplayReport.groups`: the node's group under the new policy
+    mode: Mode = Mode.REMEDIATE  # the node's mode under the new policy: observe only says `after`
 
 
 class NodeChange(BaseModel):
@@ -77,6 +89,20 @@ class Trip(BaseModel):
     reason: str
 
 
+class GroupResult(BaseModel):
+    """The incidents of one node group, as the new policy places their nodes, each by its last
+    decision: a node action carried out (`acted`) or, in observe mode, only said (`would_have`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group: str  # a group's name; `*`: the nodes no group takes; `?`: those whose group cannot be told
+    mode: Mode  # the group's mode in the new policy (`?`: observe, nothing done)
+    incidents: int
+    changed: int
+    acted: Count  # before: as recorded (in the mode recorded); after: the new policy's
+    would_have: Count
+
+
 class ReplayReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -95,6 +121,7 @@ class ReplayReport(BaseModel):
     nodes: list[NodeChange]  # only the nodes taken out a different number of times
     guardrails: list[Trip]  # every replayed decision a guardrail stopped
     exceeded: list[str] = []  # the limits given (`--max-changed`) that the changes go over
+    groups: list[GroupResult] = []  # the policy's groups in order, then `*`, then `?` when any
 
     @property
     def changed_percent(self) -> float:
@@ -115,6 +142,10 @@ class Redecided(NamedTuple):
     fleet_size: int | None  # the guardrails' percentages are of this many nodes
     last: bool  # the incident's last decision
     flow_run_id: str | None
+    observed_before: bool = False  # recorded in observe mode: said, not done
+    group: str | None = None  # the node's group under the new policy
+    mode: Mode = Mode.REMEDIATE  # and its mode
+    undecidable: bool = False  # its group cannot be told from its name: escalated, nothing done
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +194,8 @@ class Judge:
         self.actions: tuple[Counter[str], Counter[str]] = (Counter(), Counter())  # before, after
         self.rules: tuple[Counter[str], Counter[str]] = (Counter(), Counter())
         self.taken_out: tuple[Counter[str], Counter[str]] = (Counter(), Counter())
+        # Per group row (`*`, `?` included): incidents, changed, and node actions acted on or only said.
+        self.by_group: dict[str, Counter[str]] = {}
 
     def take(self, decisions: Iterable[Redecided]) -> None:
         """Judge these decisions, made after every one taken so far, in the order they were made."""
@@ -180,9 +213,10 @@ class Judge:
             its[1].append((decided, before, after))
             # The flow acts on an incident's last decision, and on a diagnostic the ladder runs; triage's
             # first answer is recorded too, but the final decision is what is done.
-            if before.takes_out and (decided.last or before.diagnose):
+            # A node action in observe mode was (or would be) said, not done: it takes no node out.
+            if before.takes_out and (decided.last or before.diagnose) and not decided.observed_before:
                 taken_before[decided.node] += 1
-            if after.takes_out and (decided.last or after.diagnose):
+            if after.takes_out and (decided.last or after.diagnose) and decided.mode is not Mode.OBSERVE:
                 taken_after[decided.node] += 1
             if decided.last:
                 self._close(decided.incident)
@@ -219,7 +253,31 @@ class Judge:
             changes=[change for _, change in self.changes],
             nodes=nodes,
             guardrails=self.trips,
+            groups=self._groups(),
         )
+
+    def _groups(self) -> list[GroupResult]:
+        policy = self.loaded.policy
+        modes = {g.name: g.mode for g in policy.groups} | {
+            OTHER_NODES: policy.mode,
+            UNDECIDABLE: Mode.OBSERVE,
+        }
+        shown = [g.name for g in policy.groups] + [OTHER_NODES]
+        shown += [UNDECIDABLE] if UNDECIDABLE in self.by_group else []
+        rows = []
+        for name in shown:
+            counts = self.by_group.get(name, Counter())
+            rows.append(
+                GroupResult(
+                    group=name,
+                    mode=modes[name],
+                    incidents=counts["incidents"],
+                    changed=counts["changed"],
+                    acted=Count(before=counts["acted_before"], after=counts["acted_after"]),
+                    would_have=Count(before=counts["said_before"], after=counts["said_after"]),
+                )
+            )
+        return rows
 
     def _close(self, incident: str) -> None:
         """Count an incident whose decisions have all been judged, and compare it with its record."""
@@ -229,6 +287,15 @@ class Judge:
         self.actions[1][after.action] += 1
         self.rules[0][before.outcome.rule] += 1
         self.rules[1][after.outcome.rule] += 1
+        row = UNDECIDABLE if final.undecidable else final.group or OTHER_NODES
+        counts = self.by_group.get(row)
+        if counts is None:
+            counts = self.by_group[row] = Counter()
+        counts["incidents"] += 1
+        if before.outcome.action not in UNGUARDED:
+            counts["said_before" if final.observed_before else "acted_before"] += 1
+        if after.outcome.action not in UNGUARDED:
+            counts["said_after" if final.mode is Mode.OBSERVE else "acted_after"] += 1
         if all(b.label == a.label for _, b, a in its):
             return  # the same steps, as most incidents' are
         steps_before = _steps(b.label for _, b, _ in its)
@@ -244,8 +311,11 @@ class Judge:
                 steps_after=steps_after,
                 command=f"medic incident {incident}",
                 flow_run_id=final.flow_run_id,
+                group=row,
+                mode=final.mode,
             )
             self.changes.append((order, change))
+            counts["changed"] += 1
 
 
 class _Traits(NamedTuple):
@@ -289,16 +359,20 @@ class _Fleet:
     def __init__(self, policy: Policy, closed_at: Iterable[datetime]) -> None:
         self.guardrails = policy.guardrails
         self.fleet = _ReplayedFleet(None)
+        self.limits = GroupLimits(policy)
         breaker = self.guardrails.circuit_breaker
         self.breaker_window = timedelta(minutes=breaker.window_minutes if breaker else 0)
         self.taken_out: deque[tuple[datetime, str]] = deque()  # (when, node), oldest first
         self.closings = sorted(closed_at)
         self.tripped_at: datetime | None = None
-        self.escalated: dict[tuple[str, str], _Traits] = {}
+        self.escalated: dict[tuple[str, str | None], _Traits] = {}
 
     def apply(self, decided: Redecided, traits: _Traits) -> tuple[_Traits, tuple[str, str] | None]:
-        """The new decision as its guardrails let it be, and the guardrail that stopped it with why."""
+        """The new decision as its guardrails and its node's mode let it be, and the guardrail that
+        stopped it with why."""
         decision = decided.after
+        if decided.undecidable:
+            return self._escalated(decision.rule, None), None  # left alone, handed to people (in_mode)
         if decision.action in UNGUARDED:
             return traits, None  # nothing stops it, and the fleet stays as it is (half of all decisions)
         now, fleet = decided.decided_at, self.fleet
@@ -317,21 +391,26 @@ class _Fleet:
         # Only a decision that takes a node out meets a fleet limit (docs/policy.md#guardrails): the
         # fleet's snapshot is taken for those alone.
         state = fleet.state(now, now) if traits.takes_out else FleetState(now)
-        stopped = guardrails.check(self.guardrails, state, decided.node, decision, decided.scope)
+        stopped = guardrails.check(
+            self.guardrails, state, decided.node, decision, decided.scope
+        ) or self.limits.check(decided.group, now, now, decided.node, decision, decided.scope)
         after = traits
+        acting = decided.mode is not Mode.OBSERVE  # observe: said, never done, and opens no breaker
         if stopped is not None:  # escalated instead, as `guardrails.apply` turns a stopped decision
             after = self._escalated(decision.rule, stopped[0])
-            if stopped[0] == "circuit_breaker" and not fleet.breaker_open:
-                # Opened by any decision, as the flows open it.
+            if stopped[0] == "circuit_breaker" and not fleet.breaker_open and acting:
+                # Opened by any decision acted on, as the flows open it.
                 self.tripped_at, fleet.breaker_open = now, True
-        if decided.last or after.diagnose:  # acted on (Judge.take)
+        if acting and (decided.last or after.diagnose):  # acted on (Judge.take)
             fleet.record(decided.node, now, after.outcome)
+            self.limits.record(decided.group, decided.node, now, after.outcome)
             if after.takes_out:
                 self.taken_out.append((now, decided.node))
         return after, stopped
 
-    def _escalated(self, rule: str, guardrail: str) -> _Traits:
-        """The outcome of `rule`'s decision stopped by `guardrail`: one for each pair."""
+    def _escalated(self, rule: str, guardrail: str | None) -> _Traits:
+        """The outcome of `rule`'s decision stopped by `guardrail` (None: by its node's undecidable
+        group): one for each pair."""
         found = self.escalated.get((rule, guardrail))
         if found is None:
             outcome = Outcome(rule=rule, action=Action.ESCALATE, guardrail=guardrail)

@@ -23,7 +23,7 @@ from medic.deep_check import (
 )
 from medic.integrations.dcgm.runner import LocalRunner
 from medic.integrations.nvml_probe import NvmlProbe
-from medic.policy import Action, PolicyError, load_policy
+from medic.policy import Action, Mode, PolicyError, load_policy
 from medic.policy.deep_checks import CheckName, DeepChecks, Shape
 from medic.policy.loader import parse_policy
 from medic.protocols import (
@@ -341,6 +341,11 @@ def test_the_dry_run_names_the_checks_verification_will_run() -> None:
     assert plan_steps(replace, NODE, "inc-1", [], 1, DeepChecks())[2] == (
         "verify gpu-node-1 at DCGM level 1, then resume it (or escalate)"
     )
+    watched = replace.model_copy(update={"mode": Mode.OBSERVE, "group": "canary"})
+    assert plan_steps(watched, NODE, "inc-1", ["llm"], 1, deep) == [
+        "observe mode (group canary): touch nothing",
+        "tell the owner: would have replace gpu-node-1",
+    ]
 
 
 def test_a_long_output_keeps_its_head_and_its_tail() -> None:

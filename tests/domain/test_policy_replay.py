@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from checkout import REPO_ROOT
 from factories import fault_event
+from groups_support import WATCH, write_grouped
 from sqlalchemy import create_engine, text
 from typer.testing import CliRunner
 
@@ -54,11 +55,11 @@ def incidents_now() -> list[FaultEvent]:
     ]
 
 
-def remediate_decisions(store: Store, events: list[FaultEvent]) -> list[str]:
+def remediate_decisions(store: Store, events: list[FaultEvent], policy: Path = DEFAULT_POLICY) -> list[str]:
     """Store the events, open their incidents and run the flow's triage and decide tasks on each:
     the decisions are recorded as the flows record them (a 40-node fleet: no guardrail is near)."""
     fleet = SimFleet.build(nodes=40)
-    configure(Runtime(store, registry.simulated(fleet)[0], DEFAULT_POLICY))
+    configure(Runtime(store, registry.simulated(fleet)[0], policy))
     store.record_accepted(events)
     ids = []
     for incident in correlate(events, timedelta(minutes=10)):
@@ -290,8 +291,20 @@ def test_the_json_schema_is_pinned(recorded: tuple[Store, list[str]], tmp_path: 
         "nodes",
         "guardrails",
         "exceeded",
+        "groups",  # added within version 1
     ]
     assert report["schema_version"] == 1
+    # The default policy has no groups: every incident is the policy's, acted on as recorded.
+    assert report["groups"] == [
+        {
+            "group": "*",
+            "mode": "remediate",
+            "incidents": 6,
+            "changed": 2,
+            "acted": {"before": 5, "after": 5},
+            "would_have": {"before": 0, "after": 0},
+        }
+    ]
     assert report["exceeded"] == ["33.3% of incidents changed (limit 5%)"]
     assert list(report["changes"][0]) == [
         "incident",
@@ -304,6 +317,8 @@ def test_the_json_schema_is_pinned(recorded: tuple[Store, list[str]], tmp_path: 
         "command",
         "flow_run_id",
         "flow_run_url",
+        "group",  # added within version 1
+        "mode",
     ]
     assert list(report["changes"][0]["before"]) == ["rule", "action", "diagnose_level", "guardrail"]
 
@@ -362,3 +377,63 @@ def test_change_limits_parse(text_: str, limit: ChangeLimit) -> None:
 def test_a_bad_change_limit_is_refused(bad: str) -> None:
     with pytest.raises(ValueError, match=r"limit|number"):
         ChangeLimit.parse(bad)
+
+
+# --- node groups and modes (docs/policy.md#replay) ----------------------------------------------
+
+
+def test_each_incident_is_decided_again_in_its_nodes_group_and_mode(
+    recorded: tuple[Store, list[str]], tmp_path: Path
+) -> None:
+    store, _ = recorded
+    code, out, _ = run_replay(store, write_grouped(tmp_path / "grouped.yaml"), "--json")
+    assert code == 0
+    report = json.loads(out)
+    rows = {row["group"]: row for row in report["groups"]}
+    assert list(rows) == ["watch", "fix", "racks", "*", "?"]
+    # The watched nodes' XID 79: the group's own rule, only said; the reboots done are gone.
+    watch = rows["watch"]
+    assert (watch["mode"], watch["incidents"], watch["changed"]) == ("observe", 2, 2)
+    assert (watch["acted"], watch["would_have"]) == ({"before": 2, "after": 0}, {"before": 0, "after": 2})
+    assert [(c["node"], c["steps_after"], c["group"], c["mode"]) for c in report["changes"][:2]] == [
+        ("gpu-node-1", ["drain"], "watch", "observe"),
+        ("gpu-node-2", ["drain"], "watch", "observe"),
+    ]
+    assert report["changes"][0]["after"]["rule"] == "watch-drain-first"
+    # The remediate group's NCCL timeout and ECC error: decided and acted on as before.
+    assert rows["fix"]["acted"] == {"before": 2, "after": 2} and rows["fix"]["changed"] == 0
+    # gpu-node-5 and 6 may be racks by name, and the store keeps no features: left alone, escalated.
+    assert (rows["?"]["mode"], rows["?"]["incidents"], rows["?"]["changed"]) == ("observe", 2, 2)
+    assert rows["?"]["acted"] == {"before": 1, "after": 0}
+    assert [(c["node"], c["after"]["action"], c["group"], c["mode"]) for c in report["changes"][2:]] == [
+        ("gpu-node-5", "escalate", "?", "observe"),
+        ("gpu-node-6", "escalate", "?", "observe"),
+    ]
+    assert (rows["racks"]["incidents"], rows["*"]["incidents"]) == (0, 0)
+    # A node only watched is never taken out: the watched nodes' reboots are gone from the fleet.
+    taken = {n["node"]: (n["taken_out_before"], n["taken_out_after"]) for n in report["nodes"]}
+    assert taken == {"gpu-node-1": (1, 0), "gpu-node-2": (1, 0), "gpu-node-6": (2, 0)}  # two level-2 runs
+    code, out, _ = run_replay(store, write_grouped(tmp_path / "grouped.yaml"))
+    assert "Node groups" in out
+    assert "would have: drain (watch-drain-first)" in out
+    assert "escalate (sustained-straggler)" in out and "would have: escalate" not in out
+
+
+def test_what_was_recorded_in_observe_mode_counts_as_said_not_done(
+    sqlite_store: Store, tmp_path: Path
+) -> None:
+    store = sqlite_store
+    remediate_decisions(store, incidents_now(), write_grouped(tmp_path / "watch.yaml", WATCH))
+    history = store.replay_history(since=None, lookback=timedelta(hours=1))
+    report = replay(history, load_policy(write_grouped(tmp_path / "watch.yaml", WATCH)))
+    assert report.changed == 0 and report.nodes == []
+    watch = next(row for row in report.groups if row.group == "watch")
+    assert (watch.acted.before, watch.would_have.before, watch.would_have.after) == (0, 2, 2)
+    # The same incidents under the policy without groups: what was only said would now be done.
+    report = replay(history, load_policy(DEFAULT_POLICY))
+    (everyone,) = report.groups
+    assert (everyone.group, everyone.mode, everyone.incidents) == ("*", "remediate", 6)
+    assert (everyone.would_have.before, everyone.would_have.after) == (2, 0)
+    assert (everyone.acted.before, everyone.acted.after) == (3, 5)
+    taken = {n.node: (n.taken_out_before, n.taken_out_after) for n in report.nodes}
+    assert taken == {"gpu-node-1": (0, 1), "gpu-node-2": (0, 1)}

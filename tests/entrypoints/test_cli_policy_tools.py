@@ -392,6 +392,7 @@ def test_the_schema_pins_node_groups_and_modes() -> None:
         "guardrails",
         "approvals",
         "rules",
+        "readiness",  # decision 0020: the group's own bar in the rollout report
     }
     assert set(defs["Group"]["required"]) == {"name", "select", "mode"}
     assert set(defs["Selector"]["properties"]) == {

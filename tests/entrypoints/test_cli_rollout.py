@@ -8,13 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from factories import fault_event
+from rollout_support import CANARY_POLICY, seed
 from typer.testing import CliRunner
 
 from medic.apps.cli.app import app
-from medic.incidents import correlate
-from medic.policy.model import Action, Classification, Decision
-from medic.policy.selectors import Mode
 from medic.store import Store
 
 runner = CliRunner()
@@ -37,51 +34,9 @@ GROUP_KEYS = {
     "readiness",
     "pairs",
     "missed",
+    "thresholds",
+    "unplaced",
 }
-
-
-def _decide(
-    store: Store,
-    monkeypatch: pytest.MonkeyPatch,
-    node: str,
-    action: Action,
-    mode: Mode,
-    group: str | None,
-    at: datetime,
-) -> None:
-    (incident,) = correlate([fault_event(node=node, at=at, minutes=-1)])
-    store.record_events([incident])
-    store.open_incident(incident)
-    monkeypatch.setattr("medic.store.stages.utcnow", lambda: at)
-    store.add_decision(
-        Decision(
-            incident=incident.id,
-            classification=Classification.HARDWARE,
-            action=action,
-            rule="xid-fallen-off-bus",
-            reason="XID 79",
-            matched=["xid-fallen-off-bus"],
-            policy_sha256="0" * 64,
-            mode=mode,
-            group=group,
-        ),
-        "policies/default.yaml",
-    )
-
-
-def _people(store: Store, node: str, change: str, at: datetime) -> None:
-    store.record_accepted(
-        [
-            fault_event(
-                "node_state",
-                id=f"slurm-{node}-{change}-{int(at.timestamp())}",
-                source="slurm",
-                node=node,
-                at=at,
-                change=change,
-            )
-        ]
-    )
 
 
 @pytest.fixture
@@ -90,21 +45,7 @@ def store_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("MEDIC_HOME", str(tmp_path))
     monkeypatch.setenv("MEDIC_DATABASE_URL", url)
     store = Store(url)
-    store.record_modes(
-        {"*": "remediate", "canary": "observe"}, by="sre", policy_path="p.yaml", policy_sha256="0" * 64
-    )
-    hour = timedelta(hours=1)
-    # canary, observing: an agreed reboot (people 90 min later), a drain people answered with a reboot,
-    # a replace people never did on a node that did not fail again, and a drain by people on a node
-    # GPU Medic never decided on.
-    _decide(store, monkeypatch, "gpu-001", Action.REBOOT, Mode.OBSERVE, "canary", DAY0)
-    _people(store, "gpu-001", "reboot_requested", DAY0 + 1.5 * hour)
-    _decide(store, monkeypatch, "gpu-002", Action.DRAIN, Mode.OBSERVE, "canary", DAY0 + hour)
-    _people(store, "gpu-002", "reboot", DAY0 + 2 * hour)
-    _decide(store, monkeypatch, "gpu-003", Action.REPLACE, Mode.OBSERVE, "canary", DAY0 + 2 * hour)
-    _people(store, "gpu-009", "drain", DAY0 + 3 * hour)
-    # the other nodes, remediated: acted on, never a would-have.
-    _decide(store, monkeypatch, "gpu-100", Action.REBOOT, Mode.REMEDIATE, None, DAY0 + 4 * hour)
+    seed(store, monkeypatch, DAY0)
     store.close()
     return url
 
@@ -172,6 +113,45 @@ def test_text_says_each_group_and_its_readiness(store_url: str) -> None:
     assert result.exit_code == 0, result.output
     assert "group canary (mode now: observe; decisions by mode: observe 3)" in result.stdout
     assert "readiness: not ready: 3 would-have decisions, fewer than 50" in result.stdout
+
+
+def test_thresholds_are_the_policys_each_group_its_own_and_an_option_wins(
+    store_url: str, tmp_path: Path
+) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(CANARY_POLICY)
+    built = rollout("--policy", str(policy))
+    assert built["thresholds"] == {"decisions": 10, "agreement": 0.5, "destructive_disagreements": 0}
+    canary = next(g for g in built["groups"] if g["name"] == "canary")
+    assert canary["thresholds"] == {"decisions": 3, "agreement": 0.5, "destructive_disagreements": 1}
+    assert canary["readiness"]["reasons"] == ["agreement 33.3%, below 50%"]
+    (forced,) = rollout("--policy", str(policy), "--group", "canary", "--min-agreement", "0.3")["groups"]
+    assert forced["thresholds"] == {"decisions": 3, "agreement": 0.3, "destructive_disagreements": 1}
+    assert forced["readiness"] == {"ready": True, "agreement": 1 / 3, "reasons": []}
+
+
+def test_a_miss_is_placed_in_the_group_the_policy_names_its_node_in(store_url: str, tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(CANARY_POLICY)
+    groups = {g["name"]: g for g in rollout("--policy", str(policy))["groups"]}
+    assert (groups["canary"]["our_misses"], groups["*"]["our_misses"]) == (1, 0)
+    # A group on a fact the store does not keep: the node cannot be placed, and the report says why.
+    policy.write_text(CANARY_POLICY.replace('hostlist: ["gpu-00[1-9]"]', "features: [canary]"))
+    groups = {g["name"]: g for g in rollout("--policy", str(policy))["groups"]}
+    assert groups["*"]["our_misses"] == 1 and groups["canary"]["our_misses"] == 0
+    (unplaced,) = groups["*"]["unplaced"]
+    assert unplaced["node"] == "gpu-009"
+    assert unplaced["why"].startswith("cannot tell whether gpu-009 is in group canary")
+    text = runner.invoke(app, ["rollout", "report", "--policy", str(policy)]).stdout
+    assert "    not placed in a group: cannot tell whether gpu-009 is in group canary" in text
+
+
+def test_a_policy_that_does_not_load_stops_the_report(store_url: str, tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("readiness: {min_agreement: 2}\nrules: []\n")
+    result = runner.invoke(app, ["rollout", "report", "--policy", str(policy)])
+    assert result.exit_code == 2
+    assert f"{policy}:1:" in result.output
 
 
 def test_a_bad_option_is_a_usage_error(store_url: str) -> None:

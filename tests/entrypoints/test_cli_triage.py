@@ -16,17 +16,24 @@ from typing import Any
 import pytest
 from checkout import REPO_ROOT
 from factories import event_line
+from groups_support import write_grouped
 from rich.console import Console
 from typer.testing import CliRunner
 
 from medic.apps.cli.app import app
+from medic.policy import Mode
 from medic.policy.model import Action, Classification
 from medic.triage import TriageLine
 
-CONTRACT_KEYS = {"incident", "nodes", "classification", "action", "diagnose_level", "rule", "reason"}
+# The keys of schema version 1 as first published: never renamed, removed or retyped.
+FIRST_KEYS = {"incident", "nodes", "classification", "action", "diagnose_level", "rule", "reason"}
+# Keys added since, within version 1 (additive: consumers ignore keys they do not know).
+ADDED_KEYS = {"group", "mode", "group_problem"}
+CONTRACT_KEYS = FIRST_KEYS | ADDED_KEYS
 # As documented in docs/triage.md: changing these sets is a contract change.
 CLASSIFICATIONS = {"hardware", "software", "infrastructure", "unknown"}
 ACTIONS = {"none", "diagnose", "reset_gpu", "reboot", "replace", "drain", "reintegrate", "escalate"}
+MODES = {"observe", "contain", "remediate"}
 
 runner = CliRunner()
 
@@ -86,6 +93,8 @@ def test_json_contract_keys_types_and_enums(tmp_path: Path) -> None:
             assert level is None
         assert isinstance(line["rule"], str) and line["rule"]
         assert isinstance(line["reason"], str) and line["reason"]
+        # The default policy has no groups: every node in none, remediated as before groups.
+        assert (line["group"], line["mode"], line["group_problem"]) == (None, "remediate", None)
     by_node = {json.loads(raw)["nodes"][0]: json.loads(raw) for raw in raw_lines}
     assert set(by_node) == {f"gpu-00{i}" for i in range(1, 7)}
     assert by_node["gpu-003"]["action"] == "diagnose"
@@ -101,8 +110,9 @@ def test_contract_model_matches_the_documented_enums() -> None:
         set(typing.get_args(hints["classification"])) == CLASSIFICATIONS == {c.value for c in Classification}
     )
     assert set(typing.get_args(hints["action"])) == ACTIONS == {a.value for a in Action}
+    assert set(typing.get_args(hints["mode"])) == MODES == {m.value for m in Mode}
     doc = (REPO_ROOT / "docs" / "triage.md").read_text(encoding="utf-8")
-    for value in CONTRACT_KEYS | CLASSIFICATIONS | ACTIONS:
+    for value in CONTRACT_KEYS | CLASSIFICATIONS | ACTIONS | MODES:
         assert f"`{value}`" in doc, value
 
 
@@ -344,3 +354,54 @@ def test_progress_bar_on_a_terminal_only_and_never_on_stdout(
     assert all(line.startswith("{") for line in result.stdout.splitlines())  # stdout stays pure JSON
     assert "events" not in result.stdout
     assert ("5 events" in drawn.getvalue()) is terminal
+
+
+# --- node groups (docs/triage.md#node-groups-and-modes) ----------------------------------------
+
+
+def test_each_incident_is_decided_in_its_nodes_group_and_mode(tmp_path: Path) -> None:
+    policy = write_grouped(tmp_path / "grouped.yaml")
+    events = write(
+        tmp_path / "events.jsonl",
+        [
+            ev("w-1", "xid", node="gpu-node-1", gpu=0, attributes={"code": 79}),
+            ev("f-1", "xid", node="gpu-node-3", gpu=0, minutes=1, attributes={"code": 79}),
+            ev("r-1", "xid", node="gpu-node-5", gpu=0, minutes=2, attributes={"code": 79}),
+        ],
+    )
+    lines, _ = triage_json(str(events), "--policy", str(policy))
+    by_node = {line["nodes"][0]: line for line in lines}
+    assert all(set(line) == CONTRACT_KEYS for line in lines)
+    watched, fixed, rack = by_node["gpu-node-1"], by_node["gpu-node-3"], by_node["gpu-node-5"]
+    # The observe group's own rule: what would have been done, nothing done.
+    assert (watched["group"], watched["mode"], watched["rule"], watched["action"]) == (
+        "watch",
+        "observe",
+        "watch-drain-first",
+        "drain",
+    )
+    assert (fixed["group"], fixed["mode"], fixed["rule"], fixed["action"]) == (
+        "fix",
+        "remediate",
+        "xid-fallen-off-bus",
+        "reboot",
+    )
+    assert watched["group_problem"] is None and fixed["group_problem"] is None
+    # gpu-node-5's group turns on its features, which a file of events does not hold: left alone, escalated.
+    problem = "cannot tell whether gpu-node-5 is in group racks: the scheduler gives no features for it"
+    assert (rack["group"], rack["mode"], rack["action"], rack["group_problem"]) == (
+        None,
+        "observe",
+        "escalate",
+        problem,
+    )
+    assert f"node group undecidable: {problem}; nothing done, handed to people" in rack["reason"]
+
+    # The table, wide enough that no cell folds: nodes, then group (mode), class and action.
+    result = runner.invoke(app, ["triage", str(events), "--policy", str(policy)], env={"COLUMNS": "500"})
+    assert result.exit_code == 0, result.output
+    cells = [[cell.strip() for cell in row.split("│")] for row in result.stdout.splitlines() if "│" in row]
+    rows = {row[2]: row[4:7] for row in cells if len(row) > 7}
+    assert rows["gpu-node-1"] == ["watch (observe)", "hardware", "would have: drain"]
+    assert rows["gpu-node-3"] == ["fix (remediate)", "hardware", "reboot"]
+    assert rows["gpu-node-5"] == ["undecidable (observe)", "hardware", "escalate"]
