@@ -22,6 +22,7 @@ from bench import (
     live,
     node_bundle,
     policy,
+    profile_diff,
     prolog,
     recovery,
     replay,
@@ -49,6 +50,7 @@ BENCHMARKS: list[tuple[str, Callable[[], dict[str, Any]], Callable[[dict[str, An
     ("ageing", ageing.run, ageing.section),
     ("training resume", resume.run, resume.section),
     ("hang", hang.run, hang.section),
+    ("profile diff", profile_diff.run, profile_diff.section),
     ("recovery", recovery.run, recovery.section),
 ]
 

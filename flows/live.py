@@ -182,7 +182,7 @@ class LiveDispatcher:
 
     def _settle_later(self) -> None:
         """Hand on held collective timeouts once they settle: one timer at a time."""
-        due = self.differential.hangs.next_due()
+        due = self.differential.next_due()
         if due is None or self._settling:
             return
         self._settling = True

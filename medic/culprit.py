@@ -7,6 +7,8 @@ Between validation and correlation, events pass through here:
   (medic/hangs.py) and come out as their culprit's event, or as they came when no rank stands out;
   a rank's own stall report is kept as evidence for it (its stack dump, where it stopped);
 - a rank's own profile report is kept for the stragglers named about it (medic/profiles.py);
+- a crash a peer's loss caused (gloo's "Connection closed by peer") is held until another node of its
+  job is seen failing, and then opens nothing: it is the victim, not the fault (medic/victims.py);
 - every event, derived ones too, gets its node's leaf switch from the topology where it names none.
 
 Pure and deterministic: the same events give the same events out, with the same ids.
@@ -22,6 +24,7 @@ from medic.hangs import SETTLE, HangAttributor
 from medic.peers import Member, PeerDetector, Thresholds, timings_of
 from medic.profiles import Profiles, is_profile
 from medic.topology import Topology
+from medic.victims import Victims, is_peer_loss
 
 
 class Differential:
@@ -36,6 +39,7 @@ class Differential:
         # Ranks' places, from any event that names job and rank: what names a culprit that never reported.
         self.members: dict[tuple[str, int], Member] = self.peers.members
         self.hangs = HangAttributor(self.members, settle)
+        self.victims = Victims(self.members, settle)
         self.profiles = Profiles()
 
     def push(self, event: FaultEvent) -> list[FaultEvent]:
@@ -52,19 +56,32 @@ class Differential:
             self.hangs.stalled(event)
         elif is_profile(event):
             self.profiles.keep(event)
+        elif is_peer_loss(event):
+            self.victims.hold(event)
         elif self.hangs.takes(event):
             self.hangs.push(event)
         else:
             out.append(event)
+        out = self._seen(out) + self.victims.due(event.time)
         return [self.topology.place(self.profiles.attach(e)) for e in out]
 
     def due(self, now: datetime) -> list[FaultEvent]:
-        """Held timeouts whose settling time has passed by `now` (a live service's timer)."""
-        return [self.topology.place(e) for e in self.hangs.due(now)]
+        """Held reports whose settling time has passed by `now` (a live service's timer)."""
+        return [self.topology.place(e) for e in self._seen(self.hangs.due(now)) + self.victims.due(now)]
 
     def flush(self) -> list[FaultEvent]:
         """Everything still held: the end of a file."""
-        return [self.topology.place(e) for e in self.hangs.flush()]
+        return [self.topology.place(e) for e in self._seen(self.hangs.flush()) + self.victims.flush()]
+
+    def next_due(self) -> datetime | None:
+        """When the next held report settles, if any is held."""
+        return min(filter(None, (self.hangs.next_due(), self.victims.next_due())), default=None)
+
+    def _seen(self, out: list[FaultEvent]) -> list[FaultEvent]:
+        """Faults going on to correlation: each may explain a victim of its node's loss."""
+        for event in out:
+            self.victims.saw(event)
+        return out
 
 
 def differential(events: Iterable[FaultEvent], topology: Topology | None = None) -> list[FaultEvent]:

@@ -7,9 +7,10 @@
             hooks.step(step, loss, seconds)
             profiler.after(step)
 
-When the hooks ask, the next steps run under torch.profiler (CPU activity, and CUDA's on a GPU),
-each marked `ProfilerStep#<step>`, and the trace is written as Chrome trace JSON where the request
-says; `hooks.profiled` then reports it (docs/culprit.md). Nothing is imported or started otherwise.
+When the hooks ask, the next steps run under torch.profiler (CPU activity, and CUDA's on a GPU, with
+operator shapes and Python functions), each marked `ProfilerStep#<step>`, and the trace is written as
+Chrome trace JSON where the request says; `hooks.profiled` then reports it (docs/culprit.md).
+Nothing is imported or started otherwise.
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ class StepProfiler:
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         try:
-            self._profile = profile(activities=activities)
+            # Shapes and Python stacks: what lets a diff against a healthy peer tell the same operator
+            # slower from more of them, and name the Python function a rank spends its time in
+            # (medic/profile_diff.py). They cost the profiled steps only.
+            self._profile = profile(activities=activities, record_shapes=True, with_stack=True)
             self._profile.start()
         except Exception:  # another profiler may be running: the job comes first
             log.exception("could not start a profile of step %s", step)

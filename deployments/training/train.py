@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset
 
 from medic.training.checkpoint_layout import latest_complete, step_dir_name
 from medic.training.medic_hooks import MedicHooks
@@ -46,6 +47,7 @@ FEATURES = 16
 HIDDEN = 64
 FAULT_EXIT_CODE = 13
 DEVICES = ("auto", "cpu", "cuda")
+INJECTED_CAUSES = ("compute", "copy", "input", "python")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -71,7 +73,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=env("MEDIC_EVENTS", "medic-events.jsonl"),
         help="fault events: a JSONL file or an http(s) URL (env MEDIC_EVENTS)",
     )
-    parser.add_argument("--job", default=env("MEDIC_JOB", "reference-train"), help="env MEDIC_JOB")
+    parser.add_argument(
+        "--job",
+        default=env("MEDIC_JOB", os.environ.get("SLURM_JOB_ID", "reference-train")),
+        help="env MEDIC_JOB; under Slurm, the job's id",
+    )
     parser.add_argument("--seed", type=int, default=int(env("TRAIN_SEED", "1234")), help="env TRAIN_SEED")
     parser.add_argument("--batch-size", type=int, default=64, help="global, split evenly across ranks")
     parser.add_argument(
@@ -140,6 +146,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     slow.add_argument("--slow-from-step", type=int, default=1)
     slow.add_argument("--hang-rank", type=int, help="this rank stops before --hang-at-step's collective")
     slow.add_argument("--hang-at-step", type=int)
+    slow.add_argument(
+        "--hang-all-at-step",
+        type=int,
+        help="every rank stops inside this step's first collective, as when a link between them fails; "
+        "only in the job's first attempt (a restart or a requeue trains on)",
+    )
+    cause = parser.add_argument_group(
+        "a named cause of slowness on one rank (docs/culprit.md, the profile diff)"
+    )
+    cause.add_argument(
+        "--inject-slow",
+        choices=INJECTED_CAUSES,
+        help="compute: every addmm (the forward's matmul) runs --inject-ms longer; copy: every host copy of "
+        "the batch does; input: the data loader sleeps --inject-ms per batch; python: the named function "
+        "injected_hot_spot busy-loops --inject-ms per step",
+    )
+    cause.add_argument("--inject-rank", type=int, default=0, help="the rank --inject-slow slows")
+    cause.add_argument("--inject-ms", type=float, default=4.0)
     args = parser.parse_args(argv)
     if args.fail_during_save and (args.fail_at_step is None or args.fail_at_step % args.ckpt_every):
         parser.error("--fail-during-save needs a --fail-at-step that is a checkpoint step")
@@ -150,7 +174,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def node_name(node_of_rank: str | None, rank: int) -> str:
     if not node_of_rank:
-        return socket.gethostname()
+        # Under Slurm, the scheduler's name for the node: what GPU Medic drains and requeues around.
+        return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     names = node_of_rank.split(",")
     if len(names) <= rank:
         raise SystemExit(f"--node-of-rank names {len(names)} ranks; rank {rank} has none")
@@ -163,12 +188,95 @@ def simulated_work(args: argparse.Namespace, step: int, rank: int) -> float:
     return args.step_work_s * (args.slow_factor if slowed else 1.0)
 
 
-def count_collectives(hooks: MedicHooks) -> Callable[[object, dist.GradBucket], Future[torch.Tensor]]:
-    """DDP's own all-reduce, telling the hooks as this rank enters each one."""
+def injected_hot_spot(seconds: float) -> None:
+    """The `python` cause: a named Python function that holds the CPU for `seconds` in its own code,
+    as a hot spot in a job's Python would."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        for _ in range(2_000):  # pure bytecode between clock reads: the time is this frame's own
+            pass
+
+
+class StepBatches(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The batch of step s at index s: read through a DataLoader, as a job reads its input. `starve_s`
+    is the `input` cause: a data loader that keeps this rank waiting."""
+
+    def __init__(self, seed: int, size: int, rank: int, world: int, starve_s: float = 0.0) -> None:
+        self.seed, self.size, self.rank, self.world, self.starve_s = seed, size, rank, world, starve_s
+
+    def __getitem__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.starve_s:
+            time.sleep(self.starve_s)
+        return batch(self.seed, step, self.size, self.rank, self.world)
+
+
+def slow_kernels(cause: str, seconds: float) -> torch.library.Library:
+    """The `compute` and `copy` causes: the same operator at the same shapes, slower, as on a slow GPU
+    or a slow PCIe link. The CPU kernel of addmm (or of the copy that `.to` makes) is replaced with one
+    that does the same work, then repeats it for `seconds` more, a call: the profile shows the same
+    calls, each one longer. Keep the returned library: the override lasts as long as it lives."""
+    library = torch.library.Library("aten", "IMPL")
+
+    def repeat(work: Callable[[], object]) -> None:
+        work()
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            work()
+
+    if cause == "compute":
+
+        def addmm(
+            bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: float = 1, alpha: float = 1
+        ) -> torch.Tensor:
+            out = a.new_empty((a.shape[0], b.shape[1]))
+            # The out= overload keeps its own CPU kernel: the same arithmetic, bit for bit.
+            repeat(lambda: torch.addmm(bias, a, b, beta=beta, alpha=alpha, out=out))
+            return out
+
+        library.impl("addmm", addmm, "CPU")
+    else:
+
+        def to_copy(
+            tensor: torch.Tensor | float,
+            *,
+            dtype: torch.dtype | None = None,
+            device: torch.device | None = None,
+            **_: object,  # layout, pinning, memory format: the defaults serve these copies
+        ) -> torch.Tensor:
+            if not isinstance(
+                tensor, torch.Tensor
+            ):  # a Python number in arithmetic (0.1 * x) comes as itself
+                return torch.scalar_tensor(tensor, dtype=dtype, device=device)
+            out = torch.empty_like(tensor, dtype=dtype or tensor.dtype, device=device or tensor.device)
+            if tensor.dim():
+                repeat(lambda: out.copy_(tensor))
+            else:  # a scalar's copy (Adam's step count) moves no data: a slow link is no slower at it
+                out.copy_(tensor)
+            return out
+
+        library.impl("_to_copy", to_copy, "CPU")
+    return library
+
+
+def first_attempt() -> bool:
+    """Neither torchrun nor Slurm has restarted the job."""
+    return all(
+        os.environ.get(name, "0") == "0" for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    )
+
+
+def count_collectives(
+    hooks: MedicHooks, hang_at_step: int | None = None
+) -> Callable[[object, dist.GradBucket], Future[torch.Tensor]]:
+    """DDP's own all-reduce, telling the hooks as this rank enters each one; with `hang_at_step`, it
+    never comes back from that step's first (in a first attempt)."""
+    hang = hang_at_step is not None and first_attempt()
 
     # Unannotated: DDP checks annotations against the real classes, and here they would be strings.
     def hook(state, bucket):  # type: ignore[no-untyped-def]
         hooks.collective()
+        if hang and (hooks.last_step or 0) + 1 == hang_at_step:
+            time.sleep(24 * 3600)  # inside the collective on every rank: no rank is behind
         return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]  # no state: the default group
 
     return hook
@@ -265,8 +373,9 @@ def train(
     torch.manual_seed(args.seed)
     model = make_model().to(device)
     ddp = DistributedDataParallel(model)
-    if args.timings_every:
-        ddp.register_comm_hook(None, count_collectives(hooks))
+    # Always: where each rank is in its collectives is what names a hang (its stall reports), and
+    # counting them is an integer a bucket.
+    ddp.register_comm_hook(None, count_collectives(hooks, args.hang_all_at_step))
     # Adam's moment estimates are state too: resuming them is part of what the checkpoint proves.
     optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-2)
 
@@ -276,6 +385,13 @@ def train(
         timeline["loaded"] = time.time()
         print(f"rank {rank}: resumed from step {start} ({args.ckpt_dir})", flush=True)
 
+    injected = args.inject_slow if rank == args.inject_rank else None
+    inject_s = args.inject_ms / 1000
+    override = slow_kernels(injected, inject_s) if injected in ("compute", "copy") else None
+    starve_s = inject_s if injected == "input" else 0.0
+    dataset = StepBatches(args.seed, args.batch_size, rank, world, starve_s)
+    # batch_size=None: each index is a whole batch already; the steps are the indices, in order.
+    batches = iter(DataLoader(dataset, batch_size=None, sampler=range(start + 1, args.steps + 1)))
     args.loss_log.parent.mkdir(parents=True, exist_ok=True)
     with args.loss_log.open("a") as losses, StepProfiler(hooks, device) as profiler:
         for step in range(start + 1, args.steps + 1):
@@ -287,8 +403,13 @@ def train(
             if step == args.hang_at_step and rank == args.hang_rank:
                 time.sleep(24 * 3600)  # hung before the step's collective; the others time out
             time.sleep(simulated_work(args, step, rank))
-            x, y = batch(args.seed, step, args.batch_size, rank, world)
-            loss = nn.functional.mse_loss(ddp(x.to(device)), y.to(device))
+            x, y = next(batches)  # inside the step: waiting for input is the step's time
+            if injected == "python":
+                injected_hot_spot(inject_s)
+            # copy=True: a real host copy on the CPU too, where .to() would hand back the same tensor, so
+            # that every device's profile has its copies (the `copy` cause slows them).
+            x, y = x.to(device, copy=True), y.to(device, copy=True)
+            loss = nn.functional.mse_loss(ddp(x), y)
             if step == args.nan_at_step and rank == args.fail_rank:
                 loss = loss * float("nan")
             optimizer.zero_grad(set_to_none=True)
@@ -309,6 +430,7 @@ def train(
             if step % args.ckpt_every == 0:
                 folder = args.ckpt_dir / step_dir_name(step)
                 save(ddp, optimizer, folder, rank, DyingWriter(folder, hooks) if fault_here else None)
+    del override  # the slowed kernel goes with it (a resumed run in this process is healthy again)
 
 
 def pick_device(wanted: str, local_rank: int, local_world: int, gpus: int) -> torch.device:
