@@ -12,7 +12,12 @@ Each run: once step 12 is logged, one rank of the job is killed (SIGKILL) and th
 POSTed at the same instant: XID 13 (the application's fault: the node stays, torchrun restarts the
 group in place), XID 48 (the GPU is reset; the job is requeued off the node and waits for it),
 XID 79 with a spare (the job is requeued onto the spare at once) and XID 79 without one (it waits
-for the reboot). Measured: the job's first completed step after the fault. The phases come from
+for the reboot). Or (e) no event is POSTed: every rank stops inside step 12's first collective
+(`--hang-all-at-step`, a stand-in for a link that fails between them: the ranks see the same), and
+their own stall reports (the job's stall watch at its default 30 s, forwarded to `medic serve` as
+they are written) are all GPU Medic hears; the job is requeued onto its own nodes. There the fault's
+time is the ranks' last progress, as their stall reports give it. Measured: the job's first
+completed step after the fault. The phases come from
 the store (incident opened, decision, drain, requeue), from Slurm (the job running again, polled
 every 0.1 s) and from the timeline train.py prints on its first step after a resume. A run of
 all four rewrites medic/data/recovery-measured.json, the simulator's measured profile.
@@ -27,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,7 +46,9 @@ from bench.live import _epoch, _event, _Server, _slurm_cluster
 from bench.report import Stats, machine_line, num, table
 from bench.resume import TIMELINE
 from medic.integrations.processes import free_port
+from medic.peers import SOURCE
 from medic.shipped import TRAIN_SCRIPT
+from medic.tasks.resume import RESTART
 
 NODES = 3
 JOB_NODES = 2
@@ -67,7 +75,7 @@ REPEAT_RULES = (
 class Scenario:
     key: str
     title: str
-    xid: int
+    xid: int | None  # None: the ranks hang, and their own reports are the only events
     action: str  # what the default policy decides for it
     spare: bool  # the third node is a spare (else another job keeps it busy)
 
@@ -77,6 +85,7 @@ SCENARIOS = (
     Scenario("reset", "(b) GPU reset", 48, "reset_gpu", spare=False),
     Scenario("spare", "(c) requeue onto a spare", 79, "reboot", spare=True),
     Scenario("no-spare", "(d) requeue, no spare", 79, "reboot", spare=False),
+    Scenario("hang", "(e) every rank hung in one collective", None, "none", spare=False),
 )
 
 
@@ -183,6 +192,7 @@ class Bench:
             f"--loss-log={workdir / 'losses.jsonl'}",
             f"--events={workdir / 'events.jsonl'}",
             f"--step-work-s={STEP_WORK_S}",
+            *([f"--hang-all-at-step={KILL_AT_STEP}"] if self.scenario.xid is None else []),
         ).strip()
         (self.root / "checkpoints" / job_id).symlink_to(workdir / "checkpoints")
         return job_id, workdir
@@ -191,42 +201,54 @@ class Bench:
         from medic.store import Store
 
         job_id, workdir = self.submit(run)
+        forwarder = _Forwarder(workdir / "events.jsonl", self.server) if self.scenario.xid is None else None
         try:
-            until(lambda: logged_step(workdir / "losses.jsonl") >= KILL_AT_STEP, f"step {KILL_AT_STEP}")
-            bad = job_nodes(job_id)[0]
-            victim = rank_on(bad)
-            fault = time.time()
-            os.kill(victim, signal.SIGKILL)
-            self.server.post(
-                [
-                    _event(
-                        f"{self.scenario.key}-{run}",
-                        "xid",
-                        bad,
-                        gpu=run % GPUS,
-                        job=job_id,
-                        attributes={"code": self.scenario.xid},
-                    )
-                ]
+            until(
+                lambda: logged_step(workdir / "losses.jsonl") >= KILL_AT_STEP - 1, f"step {KILL_AT_STEP - 1}"
             )
+            nodes = job_nodes(job_id)
+            fault = time.time()
+            if forwarder is None:
+                os.kill(rank_on(nodes[0]), signal.SIGKILL)
+                event = _event(f"{self.scenario.key}-{run}", "xid", nodes[0], gpu=run % GPUS, job=job_id)
+                self.server.post([event | {"attributes": {"code": self.scenario.xid}}])
+            else:
+                forwarder.start()
             running_again = self._watch(job_id, workdir, fault)
             store = Store(self.server.database)
             try:
-                incident = until(lambda: self._closed(store, bad, fault), "closed incident")
-                detail = store.incident_detail(incident.id)
-                if detail is None:
-                    raise RuntimeError(f"incident {incident.id} has no record")
+                details = [self._detail(store, node, fault) for node in (nodes if forwarder else nodes[:1])]
             finally:
                 store.close()
         finally:
+            if forwarder is not None:
+                forwarder.stop()
             slurm("scancel", job_id)
             until(lambda: job_state(job_id) == "GONE", f"job {job_id} gone", timeout_s=120)
+        if forwarder is not None:
+            fault = forwarder.onset()  # the ranks' last progress: the hang's own moment
         marks = self._first_step(workdir, fault, running_again)
         if marks is None:
             raise RuntimeError(f"no first step after the fault in {workdir / 'job.out'}")
-        if detail.incident.action != self.scenario.action:
-            raise RuntimeError(f"decided {detail.incident.action}, expected {self.scenario.action}")
-        return self._phases(fault, detail, running_again, marks)
+        if {d.incident.action for d in details} != {self.scenario.action}:
+            raise RuntimeError(
+                f"decided {[d.incident.action for d in details]}, expected {self.scenario.action}"
+            )
+        if forwarder is not None:
+            return self._hang_phases(fault, details, running_again, marks)
+        return self._phases(fault, details[0], running_again, marks)
+
+    def _detail(self, store: Any, node: str, fault: float) -> Any:
+        """The closed incident the fault opened on `node`: for a hang, the one GPU Medic's derived
+        event opened (a loaded machine can make the job report a slow step of its own beside it)."""
+
+        def closed() -> Any:
+            found = [i for i in store.find_incidents(node=node) if _epoch(i.opened_at) >= fault - 1]
+            details = [store.incident_detail(i.id) for i in found if i.closed_at]
+            hang = self.scenario.xid is None
+            return next((d for d in details if d and (not hang or _derived(d))), None)
+
+        return until(closed, f"closed incident on {node}")
 
     def _watch(self, job_id: str, workdir: Path, fault: float) -> float | None:
         """Until the first step after the fault; when Slurm ran the job again, if it was requeued."""
@@ -252,9 +274,27 @@ class Bench:
         return next((t for t in timelines(workdir / "job.out") if t["started"] > since), None)
 
     @staticmethod
-    def _closed(store: Any, node: str, fault: float) -> Any:
-        found = [i for i in store.find_incidents(node=node) if _epoch(i.opened_at) >= fault - 1]
-        return found[0] if found and found[0].closed_at else None
+    def _hang_phases(
+        onset: float, details: list[Any], running_again: float | None, marks: dict[str, float]
+    ) -> dict[str, float]:
+        """A hang's phases, over the incidents it opened (one per node of the job)."""
+        if running_again is None:
+            raise RuntimeError("the hung job was never requeued")
+        stored = min(_epoch(e.received_at) for d in details for e in d.events if e.source == SOURCE)
+        decided = min(_epoch(d.decided_at) for detail in details for d in detail.decisions)
+        [restarted] = [
+            _epoch(a.finished_at) for d in details for a in d.actions if a.action == RESTART and a.finished_at
+        ]
+        return {
+            "detect": stored - onset,
+            "decide": decided - stored,
+            "restart": restarted - decided,
+            "schedule": running_again - restarted,
+            "launch": marks["imported"] - running_again,
+            "load": marks["loaded"] - marks["imported"],
+            "first_step": marks["first_step"] - marks["loaded"],
+            "total": marks["first_step"] - onset,
+        }
 
     def _phases(
         self, fault: float, detail: Any, running_again: float | None, marks: dict[str, float]
@@ -279,6 +319,52 @@ class Bench:
         phases["first_step"] = marks["first_step"] - marks["loaded"]
         phases["total"] = marks["first_step"] - fault
         return phases
+
+
+def _derived(detail: Any) -> bool:
+    return any(e.source == SOURCE for e in detail.events)
+
+
+class _Forwarder:
+    """The job's own events, POSTed to `medic serve` as they are written: what a node's forwarder does
+    with a job that writes its events to a file."""
+
+    def __init__(self, path: Path, server: _Server) -> None:
+        self.path, self.server = path, server
+        self.offset = 0
+        self.stalls: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-forwarder", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def onset(self) -> float:
+        """The ranks' last progress before they stalled: each stall report's time less its `stalled_s`."""
+        if not self.stalls:
+            raise RuntimeError(f"no stall report in {self.path}")
+        return max(
+            datetime.fromisoformat(e["time"]).timestamp() - float(e["attributes"]["stalled_s"])
+            for e in self.stalls
+        )
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_S):
+            if not self.path.exists():
+                continue
+            with self.path.open("rb") as handle:
+                handle.seek(self.offset)
+                text = handle.read()
+            complete = text[: text.rfind(b"\n") + 1]
+            self.offset += len(complete)
+            events = [json.loads(line) for line in complete.decode().splitlines() if line]
+            if events:
+                self.stalls += [e for e in events if e.get("attributes", {}).get("check") == "stall"]
+                self.server.post(events)
 
 
 @contextmanager
@@ -331,9 +417,24 @@ def run(runs: int = 10, keys: tuple[str, ...] = ()) -> dict[str, Any]:
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         results["load"].append(os.getloadavg()[0])
-    if set(results["scenarios"]) == {s.key for s in SCENARIOS}:  # the simulator's measured profile
-        MEASURED.write_text(json.dumps(measured(results), indent=2) + "\n", encoding="utf-8")
+    if results["scenarios"]:  # the simulator's measured profile
+        found = measured(results)
+        if set(results["scenarios"]) != {s.key for s in SCENARIOS}:
+            found = merged(json.loads(MEASURED.read_text(encoding="utf-8")), found)
+        MEASURED.write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
     return results
+
+
+def merged(shipped: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The shipped measurement with the paths of a partial run put in, each run's when and where kept."""
+    paths = ", ".join(new["paths"])
+    return shipped | {
+        "measured_at": f"{shipped['measured_at']}; {paths}: {new['measured_at']}",
+        "machine": f"{shipped['machine']}; {paths}: {new['machine']}",
+        "load": shipped["load"] + new["load"],
+        "runs": min(shipped["runs"], new["runs"]),
+        "paths": shipped["paths"] | new["paths"],
+    }
 
 
 # The phases in the order they happen, as the table names them.
@@ -342,6 +443,7 @@ PHASES = {
     "decide": "GPU Medic: decided",
     "contain": "contain: the node drained",
     "requeue": "requeue: `scontrol requeuehold`, exclusion, release",
+    "restart": "restart: DCGM L1 on each node, the hung job requeued onto them",
     "schedule": "schedule: Slurm runs the job again",
     "repair": "repair: reset or reboot, DCGM L1, back in service (within schedule)",
     "torchrun_restart": "torchrun: the dead rank seen, the group restarted",

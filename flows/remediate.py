@@ -31,6 +31,7 @@ from medic.events import FaultEvent
 from medic.flows.approval import await_approval
 from medic.flows.ladder import diagnose_ladder
 from medic.policy import Action, Decision, Mode
+from medic.hangs import hung_jobs
 from medic.policy.groups import observed
 from medic.policy.model import DESTRUCTIVE
 from medic.protocols import Message
@@ -42,7 +43,7 @@ from medic.tasks.close import close
 from medic.tasks.decide import decide_incident
 from medic.tasks.guard import ensure_limits
 from medic.tasks.notify import IncidentThread
-from medic.tasks.resume import ResumeOutcome, moved_jobs, resume_job
+from medic.tasks.resume import ResumeOutcome, moved_jobs, restart_hung_job, resume_job
 from medic.tasks.runtime import current
 from medic.tasks.stage import stage
 from medic.tasks.triage import Triage, triage
@@ -329,9 +330,24 @@ async def remediate(incident_id: str, node: str) -> Outcome:
     resumed = None
     to_resume = _jobs_to_resume(incident_id, triaged, acted)
     # Left alone (any containment released by the act): the node serves on, and so do its jobs.
-    left = decision.action is Action.NONE and triaged.jobs and not to_resume
+    left = decision.action is Action.NONE and triaged.jobs and not to_resume and not hung
     stayed = in_place(node, triaged.jobs) if left else None
     for job in to_resume:
+    # A hung job kept on its nodes is restarted there: else only its watchdog ends the hang. Not for a
+    # switch's incident: behind a switch that failed, the same nodes would hang again.
+    kept = not to_resume and decision.mode is not Mode.OBSERVE and (record is None or record.scope == "node")
+    hung = hung_jobs(current().store.incident_events(incident_id)) if kept else {}
+    still_hung = False  # a restart that failed is people's to finish: the incident escalates
+    for job, hung_at in hung.items():
+        restart_state: State[ResumeOutcome | None] = restart_hung_job(
+            incident_id, node, job, hung_at, return_state=True
+        )
+        if not restart_state.is_completed():
+            still_hung = True
+            await thread.say(f"Job {job} is hung and could not be restarted: {restart_state.message}")
+        elif restarted := await restart_state.aresult():
+            resumed = restarted
+            await thread.say(f"Job {job} was hung, restarted before its watchdog: {restarted.describe()}")
         job_state: State[ResumeOutcome] = resume_job(incident_id, job, [node], return_state=True)
         if job_state.is_completed():
             resumed = await job_state.aresult()
@@ -347,7 +363,8 @@ async def remediate(incident_id: str, node: str) -> Outcome:
     summary = _summary(decision, acted, resumed, verified, stayed)
     await thread.say(f"Closed: {summary}")
 
-    close(incident_id, summary, status=closing_status(acted, verified))
+    status = IncidentStatus.ESCALATED if still_hung else closing_status(acted, verified)
+    close(incident_id, summary, status=status)
     await _publish(incident_id, node, summary)
     await thread.flush()  # the one wait on chat, bounded (tasks/notify.py FLUSH_S), after all else
     return outcome_of(incident_id, node, decision, acted, resumed, verified, seen, thread.ok, summary)

@@ -24,10 +24,14 @@ The stall reports need not wait for a timeout (PyTorch's watchdog: 10 minutes by
 of a hung job stalls, the hung one short of the collective its peers wait in, so the first stall
 report of a job opens a gathering of its own, settled after `stall_settle` (the ranks' watches wake
 a quarter of their period apart). Then only **behind** names a culprit: ranks at different positions.
-Everyone stalled at the same place (a checkpoint written by all, a slow input pipeline) names nobody
-and gives no event: the stalls stay evidence for a timeout to come. Nor does a job that moved while
-its stalls gathered (a rank reported steps, or stalled a second time): slow is not hung. A rank silent among stalled
-peers is not named from stalls alone (its report may be late); the collective timeout finds it.
+Every rank of the job stalled at the same place, each inside the collective (issued, never completed:
+a link or a switch between them), is **together**: the job is hung and no rank is to blame, and each
+of its nodes gets the collective timeout the watchdog would have given it, minutes earlier (decision
+0021). Everyone stalled at the same place outside a collective (a checkpoint written by all, a slow
+input pipeline) names nobody and gives no event: the stalls stay evidence for a timeout to come. Nor
+does a job that moved while its stalls gathered (a rank reported steps, or stalled a second time):
+slow is not hung. A rank silent among stalled peers is not named from stalls alone (its report may be
+late); the collective timeout finds it.
 
 A culprit becomes one `nccl_timeout` event about its node (source `medic`, `attributes.detector:
 "hang"`, its victims listed); the reporters' own timeouts are absorbed as its evidence, so no
@@ -37,7 +41,7 @@ victim's node is diagnosed or drained for the hang. Pure: events in, events out.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -48,6 +52,7 @@ from medic.events import EventKind, FaultEvent
 from medic.peers import SOURCE, Member, derived_id
 
 DETECTOR = "hang"
+TOGETHER = "hang-together"  # the ids of a whole job's hang: apart from any culprit's
 SETTLE = timedelta(seconds=30)  # the reports of one hang come within the collective timeout's jitter
 # Stall watches wake every quarter of their period: at the reference job's 30 s, every rank's report
 # is in 7.5 s after the first, plus delivery.
@@ -77,6 +82,12 @@ class FlightRecorderPosition(BaseModel):
         started = self.last_started_collective
         return started if started >= 0 else self.last_enqueued_collective
 
+    def inside(self) -> bool | None:
+        """Whether the rank waits in a collective it entered and never completed; None where the
+        recorder has completed none yet (not tracked, or the first collective)."""
+        completed = self.last_completed_collective
+        return None if completed < 0 else self.position() > completed
+
 
 class TimeoutReport(BaseModel):
     """What a hook's `nccl_timeout` (or stall report) says of where its rank was."""
@@ -86,6 +97,12 @@ class TimeoutReport(BaseModel):
     collective_seq: int | None = Field(default=None, ge=0)
     world_size: int | None = Field(default=None, ge=1)
     flight_recorder: FlightRecorderPosition | None = None
+    in_collective: bool | None = None  # a stall report's: the hooks saw it enter a collective this step
+
+    def inside(self) -> bool | None:
+        """Waiting in a collective: the flight recorder's word where it has one, else the hooks'."""
+        recorded = self.flight_recorder.inside() if self.flight_recorder else None
+        return self.in_collective if recorded is None else recorded
 
 
 def flight_recorder_position(dump: Mapping[str, Any], pg: str = "0") -> FlightRecorderPosition | None:
@@ -276,12 +293,69 @@ class HangAttributor:
         positions = _positions({rank: report for rank, (_, report) in stalls.items()})
         if positions is None or len(positions) < 2:
             return []
+        reports = sorted((event for event, _ in stalls.values()), key=lambda e: (e.time, e.id))
+        ahead = max(positions.values())
+        if min(positions.values()) == ahead:
+            return self._together(job, stalls, ahead, reports)
         # Known ranks are the reporters: a silent rank is never named from stalls (module doc).
         found = attribute(positions, None, set(positions))
         culprits = [c for c in found if c.evidence == "behind" and (job, c.rank) in self.members]
-        reports = sorted((event for event, _ in stalls.values()), key=lambda e: (e.time, e.id))
-        ahead = max(positions.values())
         return [self._event(job, c, reports, ahead, stalls[c.rank][0], before_timeout=True) for c in culprits]
+
+    def _together(
+        self,
+        job: str,
+        stalls: Mapping[int, tuple[FaultEvent, TimeoutReport]],
+        position: int,
+        reports: list[FaultEvent],
+    ) -> list[FaultEvent]:
+        """Every rank of the job waiting inside the same collective: the job is hung and no rank is
+        behind (a link, a switch, the collective itself). One event per node, as the watchdog's
+        timeouts would come ten minutes later, and no culprit among them. Anything short of every
+        rank, each known to wait inside the collective, names nothing: a rank that did not report
+        may be the one behind, and ranks paused outside a collective are at their own work."""
+        sizes = [report.world_size for _, report in stalls.values() if report.world_size]
+        world = statistics.mode(sizes) if sizes else 0
+        if world < 2 or set(stalls) != set(range(world)):
+            return []
+        if not all(report.inside() for _, report in stalls.values()):
+            return []
+        nodes: dict[str, list[int]] = {}
+        for rank in sorted(stalls):
+            nodes.setdefault(self.members[job, rank].node, []).append(rank)
+        time, iteration = _latest(reports)
+        events = []
+        for node, ranks in nodes.items():
+            member = self.members[job, ranks[0]]
+            stall = stalls[ranks[0]][0]
+            events.append(
+                FaultEvent(
+                    id=derived_id(TOGETHER, job, ranks[0], position),
+                    time=time,
+                    source=SOURCE,
+                    kind=EventKind.NCCL_TIMEOUT,
+                    node=node,
+                    gpu=member.gpu if len(ranks) == 1 else None,  # the node's, not one GPU's
+                    job=job,
+                    rank=ranks[0],
+                    iteration=iteration,
+                    switch=member.switch,
+                    attributes={
+                        "detector": DETECTOR,
+                        "evidence": "together",
+                        "before_timeout": True,
+                        "collective_seq": position,
+                        "peers_collective_seq": position,
+                        "ranks": ranks,
+                        "world_size": world,
+                        "reports": len(reports),
+                        "nodes": len(nodes),
+                        "stall_event": stall.id,
+                        "artifact": stall.attributes.get("artifact"),
+                    },
+                )
+            )
+        return events
 
     def _stalls_of(self, job: str, since: datetime) -> dict[int, tuple[FaultEvent, TimeoutReport]]:
         """The job's stall reports since `since`, by rank; they are used up here."""
@@ -300,8 +374,7 @@ class HangAttributor:
     ) -> FaultEvent:
         member = self.members[job, culprit.rank]
         victims = [e for e in reports if e.rank != culprit.rank]
-        last = max(reports, key=lambda e: (e.time, e.id))
-        iterations = [e.iteration for e in reports if e.iteration is not None]
+        time, iteration = _latest(reports)
         attributes: dict[str, Any] = {
             "detector": DETECTOR,
             "confidence": culprit.confidence,
@@ -320,14 +393,34 @@ class HangAttributor:
             attributes["before_timeout"] = True  # named from the ranks' stalls: no collective timed out yet
         return FaultEvent(
             id=derived_id(DETECTOR, job, culprit.rank, ahead),
-            time=last.time,
+            time=time,
             source=SOURCE,
             kind=EventKind.NCCL_TIMEOUT,
             node=member.node,
             gpu=member.gpu,
             job=job,
             rank=culprit.rank,
-            iteration=max(iterations) if iterations else None,
+            iteration=iteration,
             switch=member.switch,
             attributes=attributes,
         )
+
+
+def hung_jobs(events: Iterable[FaultEvent]) -> dict[str, datetime]:
+    """The jobs named hung before their collectives timed out, each with the time it was named: left
+    on their nodes, nothing but PyTorch's watchdog would end their hang, minutes later."""
+    return {
+        event.job: event.time
+        for event in events
+        if event.kind is EventKind.NCCL_TIMEOUT
+        and event.job is not None
+        and event.attributes.get("detector") == DETECTOR
+        and event.attributes.get("before_timeout") is True
+    }
+
+
+def _latest(reports: list[FaultEvent]) -> tuple[datetime, int | None]:
+    """A derived event's time and step: the last report's time, the furthest step reported."""
+    last = max(reports, key=lambda e: (e.time, e.id))
+    iterations = [e.iteration for e in reports if e.iteration is not None]
+    return last.time, max(iterations) if iterations else None

@@ -6,6 +6,10 @@ run and a destructive action first call `move_jobs_off`, which requeues each job
 per incident (a `requeue` action and a `move job off` step in the store). After the act,
 `resume_job` requeues a job this incident has not moved yet; one it moved already is only waited on
 until it trains past its checkpoint, never requeued a second time.
+
+A job named hung before its collectives time out, on nodes that stay in service, is requeued where it
+is by `restart_hung_job`: nothing else would end the hang before PyTorch's watchdog (10 minutes by
+default). One hang opens an incident on each of its nodes; the first to claim the restart does it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from medic.tasks.stage import StageLog, stage
 
 MOVE_STAGE = "move job off"
 REQUEUE = "requeue"  # the action's name in the store
+RESTART = "restart"  # ... a hung job's requeue onto the nodes it has
 # How long a requeued job may take to leave the node: Slurm ends its processes there first (KillWait).
 MOVE_WAIT_S = 120.0
 RESUME_POLL_S = 5.0  # the longest wait between two looks at a requeued job
@@ -248,31 +253,96 @@ def resume_job(incident_id: str, job: str, exclude: list[str], wait_s: float = 9
             restart, info = _requeue(rt, incident_id, job, exclude)
         else:
             info = _job(rt, job)  # moved off before the act: one requeue per incident, never two
-        floor = restart.checkpoint_step or 0
-        # Done when the job trains past its checkpoint, not when the scheduler says "running".
-        # A scheduler that knows no training steps (Slurm) can only tell that the requeued job
-        # runs again; then a newer checkpoint is the proof of progress we wait for, if any.
-        delay = 0.05
-        readmitted = ""
-        while not _progressed(rt, job, info, floor):
-            if time.monotonic() - started > wait_s:
-                raise TimeoutError(f"job {job} did not pass step {floor} within {wait_s:.0f} s")
-            back = [] if readmitted else [n for n in exclude if returned(rt, incident_id, n)]
-            readmitted = readmitted or _readmit(rt, job, back)
-            time.sleep(delay)
-            # Once its node is back, a job that may be waiting for it is looked at every second: the
-            # sooner it is let back on, the sooner it trains.
-            delay = min(delay * 2, READMIT_POLL_S if back and not readmitted else RESUME_POLL_S)
-            info = _job(rt, job)
-        outcome = ResumeOutcome(
-            job=job,
-            checkpoint_step=restart.checkpoint_step,
-            resumed_step=info.step if info.step is not None else _checkpoint_step(rt, job),
-            lost_seconds=restart.lost_seconds,
-            seconds_to_resume=(utcnow() - restart.requeued_at).total_seconds(),
-            nodes=list(info.nodes),
-            spare=restart.spare,
-            readmitted=readmitted,
-        )
+        outcome = _await_progress(rt, incident_id, job, restart, info, exclude, started, wait_s)
         log.done(f"{outcome.describe()} on {', '.join(outcome.nodes)}", **outcome.model_dump())
         return outcome
+
+
+def restart_key(job: str, hung_at: datetime) -> str:
+    """One restart per hang: its events (one per node) share the job and the time it was named."""
+    return f"hang:{job}:{hung_at.isoformat()}:{RESTART}"
+
+
+@task(
+    name="restart hung job",
+    task_run_name="restart hung job {job}",
+    retries=1,
+    retry_delay_seconds=2,
+    retry_condition_fn=transient_only,
+    timeout_seconds=1800,
+)
+def restart_hung_job(
+    incident_id: str, node: str, job: str, hung_at: datetime, wait_s: float = 900
+) -> ResumeOutcome | None:
+    """Requeue a job named hung (at `hung_at`) onto the nodes it has, and wait until it trains past its
+    checkpoint; None when there was nothing to restart or another incident of the hang restarts it."""
+    rt = current()
+    with stage(
+        rt.store, incident_id, "restart hung job", node=node, why="hung, named before its watchdog"
+    ) as log:
+        started = time.monotonic()
+        key = restart_key(job, hung_at)
+        info = rt.backends.scheduler.job(job)
+        if info is None or info.state is not JobState.RUNNING:
+            # Ended, or requeued by someone else meanwhile: the hang is over either way.
+            state = "gone" if info is None else info.state.value
+            log.done(f"job {job} no longer runs ({state}): nothing to restart", status=StepStatus.SKIPPED)
+            return None
+        row, claimed = rt.store.claim_action(key, incident_id, node, RESTART)
+        if not claimed:
+            owner = f"incident {row.incident_id}"
+            log.done(
+                f"job {job} restarted for this hang by {owner} ({row.status})", status=StepStatus.SKIPPED
+            )
+            return None
+        try:
+            restart, info = _requeue(rt, incident_id, job, [])
+        except Exception as error:
+            rt.store.finish_action(key, ActionStatus.FAILED, f"{type(error).__name__}: {error}")
+            raise
+        rt.store.finish_action(
+            key, ActionStatus.SUCCEEDED, f"job {job} requeued in place{restart.describe()}"
+        )
+        outcome = _await_progress(rt, incident_id, job, restart, info, [], started, wait_s)
+        log.done(f"{outcome.describe()} on {', '.join(outcome.nodes)}", **outcome.model_dump())
+        return outcome
+
+
+def _await_progress(
+    rt: Runtime,
+    incident_id: str,
+    job: str,
+    restart: Restart,
+    info: JobInfo,
+    exclude: list[str],
+    started: float,
+    wait_s: float,
+) -> ResumeOutcome:
+    """Wait until the requeued job trains past its checkpoint, letting it back onto one of `exclude`
+    once that node is back and the job has nowhere else to go."""
+    floor = restart.checkpoint_step or 0
+    # Done when the job trains past its checkpoint, not when the scheduler says "running".
+    # A scheduler that knows no training steps (Slurm) can only tell that the requeued job
+    # runs again; then a newer checkpoint is the proof of progress we wait for, if any.
+    delay = 0.05
+    readmitted = ""
+    while not _progressed(rt, job, info, floor):
+        if time.monotonic() - started > wait_s:
+            raise TimeoutError(f"job {job} did not pass step {floor} within {wait_s:.0f} s")
+        back = [] if readmitted else [n for n in exclude if returned(rt, incident_id, n)]
+        readmitted = readmitted or _readmit(rt, job, back)
+        time.sleep(delay)
+        # Once its node is back, a job that may be waiting for it is looked at every second: the
+        # sooner it is let back on, the sooner it trains.
+        delay = min(delay * 2, READMIT_POLL_S if back and not readmitted else RESUME_POLL_S)
+        info = _job(rt, job)
+    return ResumeOutcome(
+        job=job,
+        checkpoint_step=restart.checkpoint_step,
+        resumed_step=info.step if info.step is not None else _checkpoint_step(rt, job),
+        lost_seconds=restart.lost_seconds,
+        seconds_to_resume=(utcnow() - restart.requeued_at).total_seconds(),
+        nodes=list(info.nodes),
+        spare=restart.spare,
+        readmitted=readmitted,
+    )

@@ -44,14 +44,14 @@ def kill_tree(process: subprocess.Popen[str]) -> None:
     process.wait()
 
 
-def torchrun(
+def launch(
     workdir: Path,
     ranks: int,
     *args: str,
     ckpt_dir: Path | None = None,
     launcher_args: tuple[str, ...] = (),
-) -> Run:
-    """Run the job to its end (or its failure); the loss log and events land in `workdir`."""
+) -> tuple[subprocess.Popen[str], Run]:
+    """Start the job; the loss log and events land in `workdir` (the Run's returncode is not known yet)."""
     workdir.mkdir(parents=True, exist_ok=True)
     run = Run(
         returncode=-1,
@@ -78,6 +78,18 @@ def torchrun(
     process = subprocess.Popen(
         command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    return process, run
+
+
+def torchrun(
+    workdir: Path,
+    ranks: int,
+    *args: str,
+    ckpt_dir: Path | None = None,
+    launcher_args: tuple[str, ...] = (),
+) -> Run:
+    """Run the job to its end (or its failure); the loss log and events land in `workdir`."""
+    process, run = launch(workdir, ranks, *args, ckpt_dir=ckpt_dir, launcher_args=launcher_args)
     try:
         output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired:

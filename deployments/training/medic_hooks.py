@@ -615,6 +615,9 @@ class MedicHooks:
             return None
         return self._profiles.wanted((self.last_step or 0) + 1)
 
+                    # Entered a collective this step and not come back to end it: waiting inside one,
+                    # not in its own work before it (input, a checkpoint written by every rank).
+                    in_collective=self._entered_at is not None,
     def profiled(self, request: ProfileRequest, first_step: int, last_step: int) -> Event | None:
         """Report the profile `request` asked for once the loop has written it; a capture that wrote
         nothing (it failed) is logged instead. Either way the next profile may be asked for."""

@@ -195,6 +195,72 @@ def test_ranks_stalled_at_the_same_place_name_nobody() -> None:
     assert differential([*members(), *together]) == []
 
 
+def waiting(rank: int, seq: int = 12, seconds: float = 30, **attributes: object) -> FaultEvent:
+    """A stall report from a rank waiting inside its collective, as the hooks send it."""
+    event = stall(rank, seq, seconds)
+    extra = {"world_size": WORLD, "in_collective": True, **attributes}
+    return event.model_copy(update={"attributes": {**event.attributes, **extra}})
+
+
+def test_every_rank_waiting_inside_the_same_collective_is_a_hung_job_named_node_by_node() -> None:
+    """A link or a switch between the ranks: every one entered the collective and none comes back.
+    No rank is behind, but the job is hung: named once the stalls settle, not at the watchdog."""
+    diff = Differential()
+    for event in members():
+        diff.push(event)
+    for rank in range(WORLD):
+        assert diff.push(waiting(rank, seconds=30 + rank)) == []
+    assert diff.due(T0 + timedelta(seconds=44)) == []
+    named = diff.due(T0 + timedelta(seconds=45))
+    assert [(e.node, e.rank, e.attributes["ranks"]) for e in named] == [
+        ("node-a", 0, [0, 1]),
+        ("node-b", 2, [2, 3]),
+    ]
+    for event in named:
+        assert event.kind is EventKind.NCCL_TIMEOUT and event.gpu is None  # two GPUs of the node wait
+        attributes = event.attributes
+        assert (attributes["evidence"], attributes["before_timeout"], attributes["collective_seq"]) == (
+            "together",
+            True,
+            12,
+        )
+        assert (attributes["world_size"], attributes["nodes"], attributes["reports"]) == (WORLD, 2, WORLD)
+        assert "victims" not in attributes  # nobody's victim: no rank is singled out
+    assert named[0].attributes["artifact"] == "/dumps/r0.txt"
+    # The same stalls again (a replay, another replica) give the same ids.
+    again = differential([*members(), *(waiting(rank, seconds=30 + rank) for rank in range(WORLD))])
+    assert [e.id for e in again] == [e.id for e in named]
+
+
+@pytest.mark.parametrize(
+    "reports",
+    [
+        [waiting(rank, in_collective=rank != 2) for rank in range(WORLD)],  # one at its own work
+        [waiting(rank) for rank in range(WORLD - 1)],  # one never reported: it may be the one behind
+        [waiting(rank, world_size=None) for rank in range(WORLD)],  # the job's size unknown
+        [waiting(rank, in_collective=None) for rank in range(WORLD)],  # hooks too old to say
+        # The flight recorder saw collective 12 complete: whatever they wait on, it is no collective.
+        [
+            waiting(rank, flight_recorder={"last_enqueued_collective": 12, "last_completed_collective": 12})
+            for rank in range(WORLD)
+        ],
+    ],
+    ids=["one outside", "one silent", "size unknown", "inside unknown", "recorder: completed"],
+)
+def test_a_hung_job_is_named_only_when_every_rank_is_known_to_wait_inside(reports: list[FaultEvent]) -> None:
+    assert differential([*members(), *reports]) == []
+
+
+def test_the_flight_recorder_says_a_rank_waits_inside_where_the_hooks_cannot() -> None:
+    recorder = {
+        "last_enqueued_collective": 40,
+        "last_started_collective": 40,
+        "last_completed_collective": 39,
+    }
+    stalls = [waiting(rank, in_collective=None, flight_recorder=recorder) for rank in range(WORLD)]
+    assert [e.attributes["collective_seq"] for e in differential([*members(), *stalls])] == [40, 40]
+
+
 def test_a_job_that_moves_while_its_stalls_gather_is_slow_not_hung() -> None:
     # Every step slower than the watch's period: the ranks stall at each step, a step apart at times.
     stepping = [stall(0, 12, 30), stall(1, 12, 30), stall(2, 12, 31), stall(3, 11, 31), stall(0, 13, 32)]
@@ -343,6 +409,7 @@ def test_a_stalled_rank_dumps_its_stacks_and_reports_where_it_stopped(tmp_path: 
     [event] = [FaultEvent.model_validate_json(line) for line in sink.read_text().splitlines()]
     assert (event.kind, event.attributes["check"], event.iteration) == (EventKind.HEALTH_CHECK, "stall", 1)
     assert event.attributes["collective_seq"] == 1 and event.attributes["stalled_s"] >= 0.2
+    assert event.attributes["in_collective"] is False  # its step ended: stalled at its own work
     stacks = Path(event.attributes["artifact"]).read_text()
     assert "test_a_stalled_rank_dumps_its_stacks" in stacks  # this very frame, where it "hung"
 

@@ -90,7 +90,10 @@ def _no_runs(d: dict[str, Any]) -> None:
         (_drop_total, "paths.in-place: no 'total' phase"),
         (_p95_below_p50, "paths.reset.launch: p95 (4.0) is below p50 (9.0)"),
         (_negative, "paths.no-spare.detect.p50: Input should be greater than or equal to 0"),
-        (_unknown_path, "paths.reboot.[key]: Input should be 'in-place', 'reset', 'spare' or 'no-spare'"),
+        (
+            _unknown_path,
+            "paths.reboot.[key]: Input should be 'in-place', 'reset', 'spare', 'no-spare' or 'hang'",
+        ),
         (_no_runs, "runs: Input should be greater than or equal to 1"),
     ],
 )
@@ -121,17 +124,18 @@ def test_a_missing_shipped_file_says_what_writes_it() -> None:
 def test_the_profile_takes_its_restarts_from_the_file_less_detection(document: dict[str, Any]) -> None:
     document["paths"]["in-place"] |= _phases(detect=0.5, total=7.0)
     document["paths"]["spare"] |= _phases(detect=1.0, total=31.0)
+    document["paths"]["hang"] |= _phases(detect=50.0, total=71.0)
     params = measured(SimParams(), parse(json.dumps(document), "test"))
     assert (params.restart_in_place_s, params.restart_s) == (6.5, 30.0)
-    # What the cluster measured could not time stays assumed: a real server's reset, reboot, replacement,
-    # and the watchdog that finds a hang every rank waits in.
+    # A hang: found from the ranks' stalls, not at the watchdog, and the job requeued onto its nodes.
+    assert (params.detect_hang_s, params.restart_hung_s) == (50.0, 21.0)
+    # What the cluster measured could not time stays assumed: a real server's reset, reboot, replacement.
     for kept in (
         "reset_gpu_s",
         "reboot_s",
         "replace_s",
         "detect_kernel_s",
         "detect_crash_s",
-        "detect_hang_s",
     ):
         assert getattr(params, kept) == getattr(SimParams(), kept), kept
 
@@ -147,6 +151,7 @@ def test_other_profiles_restart_in_place_as_they_restart_elsewhere() -> None:
     assert SimParams().restart_in_place_s is None
     assert SimParams().in_place_restart_s == SimParams().restart_s == 300.0
     assert SimParams(restart_s=60.0).in_place_restart_s == 60.0
+    assert SimParams(restart_s=60.0).hung_restart_s == 60.0  # the watchdog ends it, then torchrun
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -154,7 +159,15 @@ def test_other_profiles_restart_in_place_as_they_restart_elsewhere() -> None:
 
 def _one_fault(default: LoadedPolicy, cause: str, signature: str, nature: Nature) -> dict[str, float]:
     """The badput of a day with this one fault at noon on a fleet that fails no other way."""
-    params = SimParams(gpus=1024, days=1, gpu_mtbf_hours=1e15, restart_s=40.0, restart_in_place_s=9.0)
+    params = SimParams(
+        gpus=1024,
+        days=1,
+        gpu_mtbf_hours=1e15,
+        restart_s=40.0,
+        restart_in_place_s=9.0,
+        restart_hung_s=20.0,
+        detect_hang_s=50.0,
+    )
     found = next(c for c in CAUSES if c.name == cause)
     sim = Simulation(params, default, seed=1)
     sim._push(43_200.0, 3, found, next(s for s in found.signatures if s.name == signature), nature, 0)
@@ -166,6 +179,13 @@ def _one_fault(default: LoadedPolicy, cause: str, signature: str, nature: Nature
 def test_a_fault_that_leaves_the_node_in_service_costs_the_restart_in_place(default: LoadedPolicy) -> None:
     badput = _one_fault(default, "software bug", "NaN loss", Nature.RESTART)  # the policy: `none`
     assert badput["recovery"] == pytest.approx(9.0)
+
+
+def test_a_hang_on_a_node_that_stays_costs_its_detection_and_the_requeue_onto_its_nodes(
+    default: LoadedPolicy,
+) -> None:
+    badput = _one_fault(default, "NCCL watchdog timeout", "collective timeout", Nature.RESTART)  # L1 passes
+    assert (badput["detection"], badput["recovery"]) == (pytest.approx(50.0), pytest.approx(20.0))
 
 
 def test_a_node_taken_out_costs_the_requeue_onto_a_spare(default: LoadedPolicy) -> None:
@@ -188,7 +208,8 @@ def test_medic_simulate_defaults_to_the_measured_profile() -> None:
     assert run == _params("--recovery", "measured")
     assert run["params"]["restart_in_place_s"] == shipped().after_detection_s(RecoveryPath.IN_PLACE)
     assert run["params"]["restart_s"] == shipped().after_detection_s(RecoveryPath.SPARE)
-    assert run["params"]["detect_hang_s"] == 600.0  # the watchdog: no rank is named for a fabric hang
+    assert run["params"]["detect_hang_s"] == shipped().detection_s(RecoveryPath.HANG)  # not the watchdog
+    assert run["params"]["restart_hung_s"] == shipped().after_detection_s(RecoveryPath.HANG)
 
 
 def test_the_assumed_durations_stay_reachable_as_recovery_medic() -> None:

@@ -20,6 +20,7 @@ import slurm_cluster
 from checkout import REPO_ROOT
 from factories import fault_event
 from gpu_reset_support import BUSY, H200, NVSENTINEL_BUS, SUCCEEDED, Node, hopper_node
+from hang_support import hung_job
 from slurm_cluster import NODES, Cluster, until
 
 from medic.flows.dispatch import Dispatch, remediate_all
@@ -277,6 +278,25 @@ def test_slurm_with_no_spare_and_no_idle_node_the_job_starts_again_on_the_repair
     assert bad in again.nodes and again.restarts == 1 and again.excluded == ""
     assert bad in outcome.resumed.nodes
     assert not slurm.cli.node(bad).flags & {"DRAIN"}
+
+
+@pytest.mark.system
+def test_slurm_a_job_hung_in_one_collective_is_requeued_onto_its_own_nodes_once(
+    slurm: Cluster, slurm_runtime: Runtime
+) -> None:
+    job_id = slurm.sbatch("--nodes=2", "--exclusive", "--requeue", user="nobody")
+    nodes = list(slurm.running(job_id).nodes)
+    events = hung_job(job_id, nodes)
+    dispatch = asyncio.run(
+        remediate_all(slurm_runtime, read_lines([e.model_dump_json() for e in events], "h"))
+    )
+    assert not dispatch.failed, dispatch.failed
+
+    resumed = [o.resumed for o in dispatch.outcomes if o.resumed is not None]
+    assert len(dispatch.outcomes) == 2 and len(resumed) == 1, [o.summary for o in dispatch.outcomes]
+    again = slurm.running(job_id)  # once its old credential expired, on the nodes it had
+    assert again.restarts == 1 and sorted(again.nodes) == sorted(nodes) and again.excluded == ""
+    assert all(not slurm.cli.node(n).flags & {"DRAIN"} for n in nodes)  # a level-1 pass: in service
 
 
 class LostReply(SlurmCli):

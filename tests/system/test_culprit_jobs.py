@@ -1,20 +1,21 @@
 """The culprit, not the victim, in real torchrun jobs: 4 ranks on the CPU standing for 2 nodes.
 
-Three launches of ~15-20 s each on 2 cores, each triaged with the default policy as `medic triage`
+Four launches of ~10-20 s each on 2 cores, each triaged with the default policy as `medic triage`
 reads a file: (a) one rank twice as slow, (b) one rank hung before a collective, (c) every rank slower
-together. Ranks 0-1 are `node-a`, ranks 2-3 `node-b`. Each rank may profile itself (the job's
+together, (d) every rank stopped inside the same collective (stopped once its stalls are in). Ranks 0-1 are `node-a`, ranks 2-3 `node-b`. Each rank may profile itself (the job's
 default: 3 steps once its own work slows), and the slow rank's trace is the deep look at it.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 from checkout import REPO_ROOT
-from torchrun_support import Run, torchrun
+from torchrun_support import Run, kill_tree, launch, torchrun
 
 from medic.artifacts import Artifact, artifacts_of
 from medic.culprit import differential
@@ -182,6 +183,38 @@ def test_the_stalls_alone_name_the_hung_rank_before_any_timeout(hung_rank: Run) 
     [own] = [e for e in before if e.rank == HANG_RANK and e.attributes.get("check") == "stall"]
     assert attributes["collective_seq"] == hung_at(own) < attributes["peers_collective_seq"]
     assert {v["node"] for v in attributes["victims"]} >= {"node-a"}
+
+
+@pytest.fixture(scope="module")
+def hung_job(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """Every rank stops inside step 12's first collective and never comes back: no watchdog would end
+    this run soon, so it is stopped once every rank has reported its stall."""
+    process, run = launch(
+        tmp_path_factory.mktemp("hung-job"), 4, *COMMON, f"--hang-all-at-step={HANG_AT}", "--stall-dump-s=1"
+    )
+    deadline = time.monotonic() + 120
+    try:
+        while len({e.rank for e in run.fault_events() if e.attributes.get("check") == "stall"}) < 4:
+            assert time.monotonic() < deadline and process.poll() is None, "no stall from every rank"
+            time.sleep(0.2)
+    finally:
+        kill_tree(process)
+    return run
+
+
+def test_every_rank_stopped_in_one_collective_is_a_hung_job_named_on_each_node(hung_job: Run) -> None:
+    stalls = [e for e in hung_job.fault_events() if e.attributes.get("check") == "stall"]
+    assert {(e.attributes["collective_seq"], e.attributes["in_collective"]) for e in stalls} == {
+        (HANG_AT, True)
+    }
+    named = [e for e in differential(hung_job.fault_events()) if e.attributes.get("detector") == "hang"]
+    assert [(e.node, e.attributes["ranks"], e.attributes["evidence"]) for e in named] == [
+        ("node-a", [0, 1], "together"),
+        ("node-b", [2, 3], "together"),
+    ]
+    assert all(e.attributes["before_timeout"] and e.job == "reference-train" for e in named)
+    # The triage of the run: a collective timeout on each node, as the watchdog would have had it.
+    assert acted_on(decided(hung_job)) == {"node-a", "node-b"}
 
 
 def test_a_whole_job_slowing_blames_nobody(slow_job: Run) -> None:

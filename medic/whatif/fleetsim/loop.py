@@ -4,7 +4,8 @@ Faults arrive as a Poisson process at the fleet's rate (GPUs / GPU MTBF) on a ra
 the job, plus the repeats of faults a remediation left in place. Each stops the job; the
 incident then runs as the remediation flow would (docs/simulate.md#method):
 
-1. detection: the signature's latency (an XID in seconds, a hang only when the NCCL watchdog fires);
+1. detection: the signature's latency (an XID in seconds; a hang once the ranks' stall reports name it,
+   or when the NCCL watchdog fires, as the profile has it);
 2. decide, with the real engine, then the guardrails on the simulated fleet; while the decision is
    `diagnose`, run that DCGM level (its duration drawn from DCGM's range), add its result and decide
    again. Level 1 runs with the node in service and the job waits on it; from level 2 the job moves
@@ -13,7 +14,7 @@ incident then runs as the remediation flow would (docs/simulate.md#method):
    waits for a person's approval when the policy asks for one); an escalation or a drain waits for
    a person, who then fixes what is really wrong;
 4. the job restarts from its last checkpoint: on the same nodes when the node stayed
-   (`restart_in_place_s`), else on a spare (`restart_s`, after waiting for a node to come back when
+   (`restart_in_place_s`; a hung job requeued onto them, `restart_hung_s`), else on a spare (`restart_s`, after waiting for a node to come back when
    there is none). A switch fault cuts off every node under the switch: the job needs that many
    spares, or waits for the network's repair.
 
@@ -235,8 +236,11 @@ class Simulation:
                 self.spares.give_back(node_back)
             spare_at = max(self.spares.take(job_at) for _ in range(held))
             segments.append(("false_replacement" if false_replacement else "recovery", spare_at - job_at))
-        # A node still in service keeps the job where it is (torchrun restarts it in place, no requeue).
-        segments.append(("recovery", p.in_place_restart_s if node_back is None else p.restart_s))
+        # A node still in service keeps the job where it is: torchrun restarts it in place, no requeue;
+        # a hung job is requeued onto the nodes it has.
+        hung = fault.signature.detect == "hang"
+        in_place = p.hung_restart_s if hung else p.in_place_restart_s
+        segments.append(("recovery", in_place if node_back is None else p.restart_s))
         self._down(t, segments)
         if not cleared:
             back = node_back if node_back is not None else self.down_until

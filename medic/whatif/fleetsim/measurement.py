@@ -31,6 +31,7 @@ class RecoveryPath(StrEnum):
     RESET = "reset"  # the GPU is reset; the job is requeued and waits for that node
     SPARE = "spare"  # the node must go; the job is requeued onto a spare at once
     NO_SPARE = "no-spare"  # the node must go; the job waits for it to reboot
+    HANG = "hang"  # every rank hung in one collective: named from their stalls, requeued onto its nodes
 
 
 class Percentiles(BaseModel):
@@ -71,6 +72,10 @@ class Measurement(BaseModel):
             if phases["total"].p50 < phases["detect"].p50:
                 raise ValueError(f"paths.{path.value}: total's p50 is below detect's")
         return self
+
+    def detection_s(self, path: RecoveryPath) -> float:
+        """The path's median from the fault to the incident opened."""
+        return self.paths[path]["detect"].p50
 
     def after_detection_s(self, path: RecoveryPath) -> float:
         """The path's median from the incident opened to the first step: its total less detection,

@@ -48,6 +48,9 @@ class SimParams:
     detect_hang_s: float = 600.0  # a collective hangs until the NCCL watchdog fires (PyTorch's default)
     restart_s: float = 300.0  # requeue on healthy nodes, load the checkpoint, first step done
     restart_in_place_s: float | None = None  # the node stayed: restart on the same nodes; None: restart_s
+    # A hang, the node in service: GPU Medic requeues the job onto its nodes; None: as any restart in place
+    # (the watchdog ends the hang, torchrun restarts the group).
+    restart_hung_s: float | None = None
     reset_gpu_s: float = 120.0
     reboot_s: float = 900.0
     replace_s: float = 4 * 3600.0  # the provider hands back a new node
@@ -83,6 +86,11 @@ class SimParams:
     def in_place_restart_s(self) -> float:
         """The job's restart when the node stays in service."""
         return self.restart_s if self.restart_in_place_s is None else self.restart_in_place_s
+
+    @property
+    def hung_restart_s(self) -> float:
+        """The job's restart after a hang, when the node stays in service."""
+        return self.in_place_restart_s if self.restart_hung_s is None else self.restart_hung_s
 
     @property
     def interval_s(self) -> float:
@@ -121,16 +129,19 @@ def measured(params: SimParams, measurement: Measurement | None = None) -> SimPa
     path's. Medians rather than p95s: a run adds one restart per interruption, hundreds of them, so the typical
     figure is the one their sum wants (docs/simulate.md#the-measured-profile).
 
+    The hangs simulated (a switch, a cable, a NIC, a collective's timeout) leave every rank waiting
+    inside the same collective: the hang path's detection (the ranks' stall watch at its default,
+    the job named hung from their reports) replaces the watchdog's 10 minutes in `detect_hang_s`,
+    and its restart (the job requeued onto its own nodes) is `restart_hung_s`.
+
     A real server's GPU reset, reboot and replacement stay the assumed `reset_gpu_s`, `reboot_s` and
     `replace_s`: the cluster measured has no GPU to reset and reboots a stand-in in about a second.
-    So does `detect_hang_s`, the watchdog's 10 minutes: the hangs simulated (a switch, a cable, a NIC,
-    a collective's timeout) leave every rank waiting in the same collective, where the ranks' stall
-    reports name nobody; the 52 s measured for a rank stopped short of its peers (bench/hang.py)
-    does not apply to them.
     """
     found = shipped() if measurement is None else measurement
     return replace(
         params,
+        detect_hang_s=found.detection_s(RecoveryPath.HANG),
         restart_in_place_s=found.after_detection_s(RecoveryPath.IN_PLACE),
+        restart_hung_s=found.after_detection_s(RecoveryPath.HANG),
         restart_s=found.after_detection_s(RecoveryPath.SPARE),
     )
