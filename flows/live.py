@@ -17,7 +17,10 @@ again the chat messages such a process left in the store's outbox (tasks/notify.
 Before any of that, events pass the differential (medic/culprit.py): step timings become the
 stragglers their peers reveal, a hang's timeouts become its culprit's (held `settle` seconds for
 the reports to come in), and events without a switch get their node's leaf from the scheduler.
-What it derives is stored before it is correlated, like every event.
+What it derives is stored before it is correlated, like every event. When it names a straggler,
+the rank and a healthy peer are asked for a profile of the same steps (a request file each, written
+here), and once both are reported their diff (medic/profile_diff.py) runs on a worker thread; the
+stragglers about that rank carry its verdict from then on (docs/culprit.md).
 
 Events a policy `switch` condition counts (collective timeouts, say) are held for
 `defaults.storm_hold_seconds` first: the first node to report a switch failure reports it
@@ -30,11 +33,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any, Self
 
 import anyio
@@ -44,6 +49,8 @@ from medic.events import EventKind, FaultEvent
 from medic.flows.dispatch import remediate_one, stored
 from medic.flows.leases import Leases, runner_name
 from medic.incidents import Incident, Storms, correlate
+from medic.pair_profiles import PairTraces, ProfileAsk
+from medic.profile_diff import Cause, ProfileDiff, diagnose
 from medic.statuses import ACTIVE_INCIDENT_STATUSES, TERMINAL_INCIDENT_STATUSES
 from medic.store.tables import IncidentRecord
 from medic.tasks import prefect_events
@@ -68,7 +75,7 @@ class LiveDispatcher:
         self._held: dict[str, list[FaultEvent]] = {}
         self._correlating = asyncio.Lock()
         self._warming: threading.Thread | None = None
-        self.differential = Differential()
+        self.differential = Differential(ask_profiles=True)
         self._differing = threading.Lock()  # batches and the settle timer take turns in worker threads
         self._topology_until = 0.0
         self._settling = False
@@ -88,7 +95,10 @@ class LiveDispatcher:
         events = [e for e in events if e.kind is not EventKind.NODE_STATE]
         if not events:
             return
-        await self._take(await anyio.to_thread.run_sync(self._diagnose, events))
+        found, pairs = await anyio.to_thread.run_sync(self._diagnose, events)
+        for traces in pairs:
+            self._spawn(functools.partial(anyio.to_thread.run_sync, self._diff, traces))
+        await self._take(found)
         self._settle_later()
 
     async def _take(self, events: list[FaultEvent]) -> None:
@@ -158,7 +168,8 @@ class LiveDispatcher:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _diagnose(self, events: list[FaultEvent]) -> list[FaultEvent]:
+    def _diagnose(self, events: list[FaultEvent]) -> tuple[list[FaultEvent], list[PairTraces]]:
+        """The events to correlate, and the pairs of profiles now ready to diff."""
         with self._differing:
             if time.monotonic() >= self._topology_until:
                 self._topology_until = time.monotonic() + TOPOLOGY_REFRESH_S
@@ -169,7 +180,19 @@ class LiveDispatcher:
             # The policy, re-read as for every incident, says how long a job's stalls gather.
             settle = self.rt.policy().policy.defaults.stall_settle_seconds
             self.differential.hangs.stall_settle = timedelta(seconds=settle)
-            return self._stored(events, [out for event in events for out in self.differential.push(event)])
+            out = self._stored(events, [out for event in events for out in self.differential.push(event)])
+            asks, ready = self.differential.pairs.take_asks(), self.differential.pairs.take_ready()
+        write_asks(asks, self.rt.artifact_root)
+        return out, ready
+
+    def _diff(self, traces: PairTraces) -> None:
+        """Diff a pair's traces (seconds of CPU, outside the lock: intake goes on meanwhile)."""
+        diff = diff_pair(traces)
+        log.info(
+            "profile diff of %s rank %s: %s (%s)", traces.job, traces.suspect_rank, diff.cause, diff.reason
+        )
+        with self._differing:
+            self.differential.pairs.diagnosed(traces, diff)
 
     def _settled(self) -> list[FaultEvent]:
         with self._differing:
@@ -286,6 +309,45 @@ def _within(events: list[FaultEvent], last: datetime, window: timedelta) -> list
             joined.append(event)
             last = max(last, event.time)
     return joined
+
+
+def write_asks(asks: list[ProfileAsk], root: Path | None) -> None:
+    """Write each rank's profile request where its hooks look, only under `root` (MEDIC_ARTIFACT_ROOT,
+    the directory jobs write their files to): the folder comes from the job's own reports, and this
+    service writes nowhere an event names at will. One not under it, or that cannot be written, is
+    logged and dropped: a profile is worth less than intake going on."""
+    for ask in asks:
+        if root is None or not ask.path.resolve().is_relative_to(root.resolve()):
+            log.warning(
+                "not asking %s rank %s for a profile: %s is not under MEDIC_ARTIFACT_ROOT (%s)",
+                ask.job,
+                ask.rank,
+                ask.path.parent,
+                root or "unset",
+            )
+            continue
+        # Written aside and renamed in, as the hooks ask: a rank never reads half a request.
+        aside = ask.path.with_name(ask.path.name + ".part")
+        try:
+            aside.write_text(ask.body())
+            os.replace(aside, ask.path)
+        except OSError as error:
+            log.warning(
+                "could not ask %s rank %s for a profile at %s: %s", ask.job, ask.rank, ask.path, error
+            )
+        else:
+            log.info(
+                "asked %s rank %s for %d steps from step %d", ask.job, ask.rank, ask.steps, ask.from_step
+            )
+
+
+def diff_pair(traces: PairTraces) -> ProfileDiff:
+    """The diff of a pair's traces; whatever goes wrong gives `unknown` with why, never a cause."""
+    try:
+        return diagnose(traces.suspect, traces.peer)
+    except Exception as error:  # a bug in reading one odd trace must not end the service
+        log.exception("the profile diff of %s and %s failed", traces.suspect, traces.peer)
+        return ProfileDiff(cause=Cause.UNKNOWN, confidence=0.0, reason=f"the diff failed: {error}", steps=[])
 
 
 def _run_flow(rt: Runtime, incident: Incident) -> None:

@@ -28,10 +28,11 @@ from pydantic import BaseModel
 from medic.artifacts import Artifact, artifacts_of, step_artifacts
 from medic.audit import incident_markdown
 from medic.events import FaultEvent
+from medic.facts import straggler_verdict
 from medic.flows.approval import await_approval
 from medic.flows.ladder import diagnose_ladder
-from medic.policy import Action, Decision, Mode
 from medic.hangs import hung_jobs
+from medic.policy import Action, Decision, Mode
 from medic.policy.groups import observed
 from medic.policy.model import DESTRUCTIVE
 from medic.protocols import Message
@@ -125,6 +126,9 @@ def _message(triaged: Triage, decision: Decision, evidence: list[FaultEvent]) ->
     kinds = sorted({e.kind.value for e in evidence})
     summary = f"Evidence: {len(evidence)} events ({', '.join(kinds)})"
     body = f"{summary}\nDecision: rule `{decision.rule}` — {decision.reason}"
+    verdict = straggler_verdict(evidence)
+    if verdict is not None:
+        body += f"\n{verdict.text()}"  # why the straggler is slow; its two traces are attached below
     problem = current().policy_problem
     if problem:
         # The owner of the policy must hear that their edit did not take effect.
@@ -329,10 +333,6 @@ async def remediate(incident_id: str, node: str) -> Outcome:
 
     resumed = None
     to_resume = _jobs_to_resume(incident_id, triaged, acted)
-    # Left alone (any containment released by the act): the node serves on, and so do its jobs.
-    left = decision.action is Action.NONE and triaged.jobs and not to_resume and not hung
-    stayed = in_place(node, triaged.jobs) if left else None
-    for job in to_resume:
     # A hung job kept on its nodes is restarted there: else only its watchdog ends the hang. Not for a
     # switch's incident: behind a switch that failed, the same nodes would hang again.
     kept = not to_resume and decision.mode is not Mode.OBSERVE and (record is None or record.scope == "node")
@@ -348,6 +348,10 @@ async def remediate(incident_id: str, node: str) -> Outcome:
         elif restarted := await restart_state.aresult():
             resumed = restarted
             await thread.say(f"Job {job} was hung, restarted before its watchdog: {restarted.describe()}")
+    # Left alone (any containment released by the act): the node serves on, and so do its jobs.
+    left = decision.action is Action.NONE and triaged.jobs and not to_resume and not hung
+    stayed = in_place(node, triaged.jobs) if left else None
+    for job in to_resume:
         job_state: State[ResumeOutcome] = resume_job(incident_id, job, [node], return_state=True)
         if job_state.is_completed():
             resumed = await job_state.aresult()

@@ -1,7 +1,9 @@
 """The files an incident's evidence points at (a hung rank's stack dump, a slow rank's profile) and
 where people can open them.
 
-Events name them in `attributes.artifact`: a path on the job's shared file system (docs/culprit.md).
+Events name them in `attributes.artifact`: a path on the job's shared file system (docs/culprit.md);
+a straggler whose profile was compared with a healthy peer's also names the peer's trace
+(`attributes.straggler_cause_peer_artifact`), so that people can open the two side by side.
 The stages that keep files of their own (the host evidence read before a reboot or replacement,
 docs/host-evidence.md) name them in their step's `artifacts` detail.
 A path is no link in chat, so where a web server serves that file system, MEDIC_ARTIFACT_ROOT (the
@@ -23,6 +25,7 @@ from medic.events import FaultEvent
 
 ARTIFACT_URL_VAR = "MEDIC_ARTIFACT_URL"
 ARTIFACT_ROOT_VAR = "MEDIC_ARTIFACT_ROOT"
+PEER_ARTIFACT = "straggler_cause_peer_artifact"
 # Slack reads <, > and | as link markup; whitespace ends a URL in any chat.
 _URL = re.compile(r"https?://[^\s<>|]+")
 
@@ -45,13 +48,22 @@ def _what(event: FaultEvent) -> str:
     return f"{kind}{rank} on {event.node}"
 
 
+def _peer(event: FaultEvent) -> str:
+    rank = "" if event.rank is None else f" rank {event.rank} on"
+    return f"profile of a healthy peer, against{rank} {event.node}"
+
+
 def artifacts_of(events: Iterable[FaultEvent]) -> tuple[Artifact, ...]:
-    """Each file the events point at, once, in the order the events name them."""
+    """Each file the events point at, once, in the order the events name them (a straggler's own
+    trace before its healthy peer's)."""
     found: dict[str, Artifact] = {}
     for event in events:
-        path = event.attributes.get("artifact")
-        if isinstance(path, str) and path and path not in found:
-            found[path] = Artifact(_what(event), path)
+        for path, what in (
+            (event.attributes.get("artifact"), _what),
+            (event.attributes.get(PEER_ARTIFACT), _peer),
+        ):
+            if isinstance(path, str) and path and path not in found:
+                found[path] = Artifact(what(event), path)
     return tuple(found.values())
 
 

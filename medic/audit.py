@@ -3,12 +3,39 @@
 from __future__ import annotations
 
 from medic.artifacts import step_artifacts
+from medic.facts import TOP_EVIDENCE, StragglerVerdict, straggler_verdict
 from medic.store import IncidentDetail
 
 
 def _seconds(detail: IncidentDetail) -> float:
     steps = detail.steps
     return sum((s.finished_at - s.started_at).total_seconds() for s in steps)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")  # a pipe would end the table's cell
+
+
+def _verdict(verdict: StragglerVerdict) -> list[str]:
+    """Why the straggler is slow (docs/culprit.md): the verdict, both traces, and what grew most."""
+    where = f" in `{verdict.where}`" if verdict.where else ""
+    lines = [
+        "",
+        "## Why the straggler is slow",
+        "",
+        f"**{verdict.cause.value}** (confidence {verdict.confidence:.2f}){where}  ",
+        f"Traces: this rank `{verdict.artifact or '-'}`, a healthy peer `{verdict.peer_artifact or '-'}`",
+    ]
+    if verdict.evidence:
+        lines += [
+            "",
+            "| grew on this rank | category | ms/step more | ratio to peer's |",
+            "| --- | --- | --- | --- |",
+        ]
+        for row in verdict.evidence[:TOP_EVIDENCE]:
+            ratio = f"{row.ratio:.1f}" if row.ratio is not None else "-"
+            lines.append(f"| {_cell(row.name)} | {row.category} | +{row.grew_s * 1000:.1f} | {ratio} |")
+    return lines
 
 
 def incident_markdown(detail: IncidentDetail) -> str:
@@ -33,6 +60,9 @@ def incident_markdown(detail: IncidentDetail) -> str:
             f"| {e.time:%H:%M:%S} | {e.kind} | {e.node} | {e.gpu if e.gpu is not None else ''} "
             f"| {e.job or ''} | {attrs} |"
         )
+    verdict = straggler_verdict(detail.events)
+    if verdict is not None:
+        lines += _verdict(verdict)
     lines += ["", "## Decisions", ""]
     for d in detail.decisions:
         action = f"{d.action} L{d.diagnose_level}" if d.diagnose_level else d.action

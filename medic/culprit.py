@@ -7,6 +7,9 @@ Between validation and correlation, events pass through here:
   (medic/hangs.py) and come out as their culprit's event, or as they came when no rank stands out;
   a rank's own stall report is kept as evidence for it (its stack dump, where it stopped);
 - a rank's own profile report is kept for the stragglers named about it (medic/profiles.py);
+- where asked to (`medic serve`), a named straggler's rank and a healthy peer are asked for a profile
+  of the same steps, and the diff of the two, once the caller has run it, goes on the stragglers
+  about that rank (medic/pair_profiles.py);
 - a crash a peer's loss caused (gloo's "Connection closed by peer") is held until another node of its
   job is seen failing, and then opens nothing: it is the victim, not the fault (medic/victims.py);
 - every event, derived ones too, gets its node's leaf switch from the topology where it names none.
@@ -21,6 +24,7 @@ from datetime import datetime, timedelta
 
 from medic.events import FaultEvent
 from medic.hangs import SETTLE, HangAttributor
+from medic.pair_profiles import PairProfiles
 from medic.peers import Member, PeerDetector, Thresholds, timings_of
 from medic.profiles import Profiles, is_profile
 from medic.topology import Topology
@@ -33,6 +37,8 @@ class Differential:
         topology: Topology | None = None,
         thresholds: Thresholds | None = None,
         settle: timedelta = SETTLE,
+        *,
+        ask_profiles: bool = False,
     ) -> None:
         self.topology = topology or Topology()
         self.peers = PeerDetector(thresholds)
@@ -41,6 +47,7 @@ class Differential:
         self.hangs = HangAttributor(self.members, settle)
         self.victims = Victims(self.members, settle)
         self.profiles = Profiles()
+        self.pairs = PairProfiles(self.members, asking=ask_profiles)
 
     def push(self, event: FaultEvent) -> list[FaultEvent]:
         """The events to correlate now that `event` came (time order is the caller's)."""
@@ -48,14 +55,18 @@ class Differential:
         out = self.hangs.due(event.time)
         if event.job is not None and event.rank is not None:
             self.members[event.job, event.rank] = Member(event.node, event.gpu, event.switch)
-        if timings_of(event) is not None:
+        if (timings := timings_of(event)) is not None:
             if event.job is not None:
                 self.hangs.progressed(event.job)
-            out += self.peers.push(event)
+            self.pairs.report(event, timings)
+            named = self.peers.push(event)
+            self.pairs.ask(named)
+            out += named
         elif self.hangs.is_stall(event):
             self.hangs.stalled(event)
         elif is_profile(event):
             self.profiles.keep(event)
+            self.pairs.profiled(event)
         elif is_peer_loss(event):
             self.victims.hold(event)
         elif self.hangs.takes(event):
@@ -63,7 +74,7 @@ class Differential:
         else:
             out.append(event)
         out = self._seen(out) + self.victims.due(event.time)
-        return [self.topology.place(self.profiles.attach(e)) for e in out]
+        return [self.topology.place(self.pairs.attach(self.profiles.attach(e))) for e in out]
 
     def due(self, now: datetime) -> list[FaultEvent]:
         """Held reports whose settling time has passed by `now` (a live service's timer)."""

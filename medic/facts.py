@@ -6,9 +6,12 @@ stays pure and fast and `medic policy explain` can print exactly what a rule saw
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from medic import dcgm_errors, xid
 from medic.ageing import PastIncident
@@ -16,6 +19,7 @@ from medic.context import EMPTY, Context
 from medic.dcgm_errors import Severity
 from medic.events import EventKind, FaultEvent
 from medic.incidents import Incident
+from medic.profile_diff import Cause
 
 HISTORY_WINDOW = timedelta(days=7)
 # Recorded `remediation` actions that leave a node out of service, and those that return it.
@@ -33,6 +37,119 @@ class DiagnosticFact:
     result: str  # "pass" | "fail"
     error_names: tuple[str, ...]
     worst_severity: Severity | None
+
+
+class CauseEvidence(BaseModel):
+    """One entry that grew on the slow rank against its healthy peer (medic/profile_diff.py's evidence)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: str  # the operator, the collective, the copy, the data loader or the Python function
+    category: str
+    grew_s: float = Field(allow_inf_nan=False)  # seconds a step more than the peer's
+    ratio: float | None = Field(None, allow_inf_nan=False)  # the suspect's time in it over the peer's
+
+    def describe(self) -> str:
+        """`aten::addmm [64x32] +4.1 ms/step (x1.9)`."""
+        ratio = f" (x{self.ratio:.1f})" if self.ratio is not None else ""
+        return f"{self.name} +{self.grew_s * 1000:.1f} ms/step{ratio}"
+
+
+class _Said(BaseModel):
+    """The verdict's attributes on a straggler event, as `medic serve` attaches them (docs/culprit.md)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    straggler_cause: str
+    straggler_cause_confidence: float = Field(0.0, ge=0, le=1)
+    straggler_cause_where: str | None = None
+    straggler_cause_evidence: list[Any] = Field(default_factory=list)
+    straggler_cause_peer_artifact: str | None = None
+    artifact: str | None = None  # the straggler's own trace, which the verdict was read from
+
+
+@dataclass(frozen=True, slots=True)
+class StragglerVerdict:
+    """Why the straggler is slow: its profile against a healthy peer's, over the same steps."""
+
+    cause: Cause
+    confidence: float
+    where: str | None  # the operator or function that grew most
+    evidence: tuple[CauseEvidence, ...] = ()
+    artifact: str | None = None  # the straggler's trace
+    peer_artifact: str | None = None  # the healthy peer's, over the same steps
+
+    @property
+    def hardware(self) -> bool:
+        return self.cause.hardware
+
+    def describe(self) -> str:
+        """`software-python (confidence 0.97) in train.py(42): hot_spot`."""
+        where = f" in {self.where}" if self.where else ""
+        return f"{self.cause.value} (confidence {self.confidence:.2f}){where}"
+
+    def text(self) -> str:
+        """For a chat message: the verdict, and what grew most as a small monospaced table."""
+        lines = [f"Why it is slow: {self.describe()}"]
+        if self.evidence:
+            lines += ["```", *(row.describe() for row in self.evidence[:TOP_EVIDENCE]), "```"]
+        return "\n".join(lines)
+
+
+UNREADABLE = StragglerVerdict(Cause.UNKNOWN, 0.0, None)
+TOP_EVIDENCE = 3  # rows people are shown: the diff names the largest growths first
+
+
+def verdict_of(attributes: Mapping[str, Any]) -> StragglerVerdict | None:
+    """The verdict a straggler event's attributes carry; None when they carry none. A verdict that
+    cannot be read, or a cause this version does not know, is `unknown`: never hardware, never
+    software, so a policy that names causes fails closed to its other rules."""
+    if "straggler_cause" not in attributes:
+        return None
+    try:
+        said = _Said.model_validate(attributes)
+    except ValidationError:
+        return UNREADABLE
+    known = {c.value for c in Cause}
+    cause = Cause(said.straggler_cause) if said.straggler_cause in known else Cause.UNKNOWN
+    return StragglerVerdict(
+        cause=cause,
+        confidence=said.straggler_cause_confidence if cause is not Cause.UNKNOWN else 0.0,
+        where=said.straggler_cause_where,
+        evidence=tuple(_rows(said.straggler_cause_evidence)),
+        artifact=said.artifact or None,
+        peer_artifact=said.straggler_cause_peer_artifact or None,
+    )
+
+
+def _rows(raw: list[Any]) -> Iterable[CauseEvidence]:
+    # The rows only show people what grew; one malformed row is left out rather than the verdict lost.
+    for row in raw:
+        try:
+            yield CauseEvidence.model_validate(row)
+        except ValidationError:
+            continue
+
+
+class Reported(Protocol):
+    """An event as the policy reads it (FaultEvent) or as the store keeps it (EventRecord)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def time(self) -> datetime: ...
+    @property
+    def attributes(self) -> Mapping[str, Any] | None: ...
+
+
+def straggler_verdict(events: Iterable[Reported]) -> StragglerVerdict | None:
+    """The verdict of the latest straggler event that carries one (the last of those at one time)."""
+    latest: Reported | None = None
+    for event in events:
+        says = event.kind == EventKind.STRAGGLER and "straggler_cause" in (event.attributes or {})
+        if says and (latest is None or event.time >= latest.time):
+            latest = event
+    return verdict_of(latest.attributes or {}) if latest is not None else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +185,13 @@ class Facts:
     sxid_severities: frozenset[str] = frozenset()  # "fatal" and/or "non_fatal"
     # The node's earlier incidents as far back as `gpu_incidents` conditions look (oldest first).
     gpu_history: tuple[PastIncident, ...] = ()
+
+    @property
+    def straggler_verdict(self) -> StragglerVerdict | None:
+        """Why the straggler is slow, from the latest straggler event that says (None: none says).
+        Read from the events, not kept: a replay rebuilds it from the stored events, so decisions
+        recorded before verdicts existed replay unchanged."""
+        return straggler_verdict(self.events)
 
     @property
     def latest_diagnostic(self) -> DiagnosticFact | None:

@@ -85,6 +85,9 @@ STALL_CHECK = "stall"
 PROFILE_CHECK = "profile"
 PROFILE_REQUEST_SUFFIX = ".profile-request"  # <job>-r<rank>.profile-request in the profile directory
 MAX_PROFILE_STEPS = 20  # nobody's request keeps a rank under the profiler for long
+# A request's `from_step` this many steps past still starts (at once): a pair asked together stays
+# mostly on the same steps. Further past, the steps it wanted are gone and it is dropped.
+STALE_REQUEST_STEPS = 3
 FLIGHT_RECORDER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 HEALTH_CHECK_PHASES = ("prolog", "epilog", "healthcheck")
 
@@ -342,6 +345,14 @@ class ProfileRequest:
     figures: dict[str, float] = field(default_factory=dict)  # the slowdown's, reported with the profile
 
 
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    """What a request file asks for: `steps` steps from step `from_step` on (None: at once)."""
+
+    steps: int
+    from_step: int | None
+
+
 class ProfileTrigger:
     """Decides when this rank's profile is worth taking; the loop takes it (see profile_on_demand)."""
 
@@ -361,6 +372,7 @@ class ProfileTrigger:
         self.watch = SlowdownWatch(slowdown)
         self.taking = False  # handed out and not reported yet: its steps carry the profiler's overhead
         self.pending: dict[str, float] | None = None  # a slowdown seen, not handed out yet
+        self.scheduled: _Asked | None = None  # a request file's profile, waiting for its first step
         self.last_at: float | None = None
         self.poll_at = clock()
 
@@ -376,24 +388,40 @@ class ProfileTrigger:
     def wanted(self, next_step: int) -> ProfileRequest | None:
         if self.taking:
             return None
-        steps, reason, figures = self.steps, "slowdown", self.pending
         now = self.clock()
-        if figures is None and now >= self.poll_at:
+        if now >= self.poll_at:
             # A file system call every poll_s, not every step: on a shared one a stat can take ms.
             self.poll_at = now + self.poll_s
             asked = self._take_request()
             if asked is not None:
-                steps, reason, figures = asked, "requested", {}
+                self.scheduled = asked  # a newer request replaces one still waiting for its step
+        steps, reason, figures = self.steps, "slowdown", self.pending
+        if self.scheduled is not None:
+            start = self.scheduled.from_step
+            if start is not None and next_step < start:
+                # Waiting for the steps asked for: a slowdown's profile begun now could run into them.
+                return None
+            if start is not None and next_step - start > STALE_REQUEST_STEPS:
+                log.warning(
+                    "profile request for the steps from %d dropped as stale: this rank is at step %d",
+                    start,
+                    next_step,
+                )
+                self.scheduled = None
+            else:
+                steps, reason, figures = self.scheduled.steps, "requested", {}
+                self.scheduled = None
         if figures is None:
             return None
         if reason == "slowdown":
             self.watch.restart()  # one profile per slowdown: the slower pace is the baseline now
-        self.pending, self.taking, self.last_at = None, True, now
+            self.pending = None
+        self.taking, self.last_at = True, now
         path = self.folder / f"{self.name}-step{next_step}-profile.pt.trace.json"
         return ProfileRequest(path, steps, reason, figures)
 
-    def _take_request(self) -> int | None:
-        """The steps a request file asks for, taking it (one request, one profile); None without one."""
+    def _take_request(self) -> _Asked | None:
+        """What a request file asks for, taking it (one request, one profile); None without one."""
         try:
             text = self.request_file.read_text()
         except FileNotFoundError:
@@ -410,15 +438,24 @@ class ProfileTrigger:
             self.poll_at = math.inf
             return None
         try:
-            asked = json.loads(text).get("steps", self.steps) if text.strip() else self.steps
-        except (ValueError, AttributeError):
-            asked = None
+            body = json.loads(text) if text.strip() else {}
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            body = {"steps": None}  # not an object: the default steps, at once
+        asked = body.get("steps", self.steps)
         if isinstance(asked, bool) or not isinstance(asked, int) or not 1 <= asked <= MAX_PROFILE_STEPS:
             log.warning(
                 "profile request %r: steps must be 1-%d; taking %d", text[:200], MAX_PROFILE_STEPS, self.steps
             )
-            return self.steps
-        return asked
+            asked = self.steps
+        start = body.get("from_step")
+        if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
+            log.warning(
+                "profile request %r: from_step must be an integer >= 0; profiling at once", text[:200]
+            )
+            start = None
+        return _Asked(asked, start)
 
 
 class MedicHooks:
@@ -543,6 +580,7 @@ class MedicHooks:
             world_size=self.world_size,
             step_times_s=[round(t, 6) for _, t, _ in window],
             compute_s=None if None in computes else [round(c or 0.0, 6) for c in computes],
+            artifacts_dir=None if self._profiles is None else str(self._profiles.folder),
         )
 
     def watch_for_stalls(self, after_s: float, directory: Path | str) -> threading.Thread:
@@ -577,6 +615,9 @@ class MedicHooks:
                     stalled_s=round(stalled_s, 3),
                     artifact=str(path),
                     collective_seq=self.collectives or None,
+                    # Entered a collective this step and not come back to end it: waiting inside one,
+                    # not in its own work before it (input, a checkpoint written by every rank).
+                    in_collective=self._entered_at is not None,
                     world_size=self.world_size,
                     # Where the GPU got to, where tracked: a rank stuck in a kernel has issued its
                     # next collective without starting it, a place the loop's count cannot see.
@@ -597,7 +638,10 @@ class MedicHooks:
         """Let `profile_wanted()` ask for a profile of `steps` steps into `directory`: when this rank's
         own work has slowed (`slowdown`), at most once per slowdown and per `cooldown_s`; and whenever
         `<job>-r<rank>.profile-request` appears there (looked for every `poll_s`; it may hold
-        `{"steps": N}`, and is removed once taken)."""
+        `{"steps": N}`, and `"from_step": S` to start at step S exactly, so that ranks asked together
+        profile the same steps; it is removed once taken, and one whose S is more than
+        STALE_REQUEST_STEPS behind is dropped). Step-timing reports then carry the directory
+        (`artifacts_dir`): where GPU Medic writes its requests."""
         if not 1 <= steps <= MAX_PROFILE_STEPS:
             raise ValueError(f"steps: must be 1-{MAX_PROFILE_STEPS}, not {steps!r}")
         if not (cooldown_s >= 0 and poll_s > 0 and math.isfinite(poll_s)):
@@ -615,9 +659,6 @@ class MedicHooks:
             return None
         return self._profiles.wanted((self.last_step or 0) + 1)
 
-                    # Entered a collective this step and not come back to end it: waiting inside one,
-                    # not in its own work before it (input, a checkpoint written by every rank).
-                    in_collective=self._entered_at is not None,
     def profiled(self, request: ProfileRequest, first_step: int, last_step: int) -> Event | None:
         """Report the profile `request` asked for once the loop has written it; a capture that wrote
         nothing (it failed) is logged instead. Either way the next profile may be asked for."""

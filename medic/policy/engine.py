@@ -108,6 +108,13 @@ def _straggler(when: When, f: Facts) -> str | None:
     return None
 
 
+def _straggler_cause(when: When, f: Facts) -> str | None:
+    verdict = f.straggler_verdict
+    if verdict is None or verdict.cause not in (when.straggler_cause or ()):
+        return None  # no verdict is no cause: a rule that names causes leaves the incident to the others
+    return f"straggler cause {verdict.describe()}"
+
+
 def _diagnostic(when: When, f: Facts) -> str | None:
     cond, latest = when.diagnostic, f.latest_diagnostic
     assert cond is not None
@@ -303,6 +310,7 @@ CHECKS: tuple[tuple[str, Check], ...] = (
     ("dcgm_category", _dcgm_category),
     ("ecc_dbe_at_least", _ecc),
     ("straggler", _straggler),
+    ("straggler_cause", _straggler_cause),
     ("diagnostic", _diagnostic),
     ("out_of_service", _out_of_service),
     ("recent_remediations_at_least", _recent),
@@ -412,6 +420,7 @@ _NEEDS: dict[str, frozenset[EventKind]] = {
     "dcgm_category": frozenset({EventKind.DCGM_HEALTH}),
     "ecc_dbe_at_least": frozenset({EventKind.ECC}),
     "straggler": frozenset({EventKind.STRAGGLER}),
+    "straggler_cause": frozenset({EventKind.STRAGGLER}),
     "diagnostic": frozenset({EventKind.DIAGNOSTIC}),
 }
 

@@ -68,6 +68,7 @@ def describe(facts: Facts) -> dict[str, str]:
         "stragglers": f"{facts.straggler_reports} (max {facts.straggler_max_ratio:g}x)"
         if facts.straggler_reports
         else "",
+        "straggler cause": verdict.describe() if (verdict := facts.straggler_verdict) else "",
         "diagnostics": ", ".join(f"L{d.level} {d.result}" for d in facts.diagnostics),
         "jobs": ", ".join(facts.jobs),
         "gpus": ", ".join(map(str, facts.gpus)),

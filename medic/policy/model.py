@@ -30,6 +30,7 @@ from medic.incidents import StormRule, Storms
 from medic.policy.approvers import APPROVER_PATTERN, check_entry
 from medic.policy.deep_checks import DeepChecks
 from medic.policy.selectors import Mode, Selector, overlap
+from medic.profile_diff import Cause
 from medic.xid import RecoveryAction, Resolution
 
 # Windows, gaps and cooldowns are bounded: a duration of a year is already beyond any rule's
@@ -218,6 +219,13 @@ class When(_Strict):
     )
     ecc_dbe_at_least: PositiveInt | None = None
     straggler: StragglerCondition | None = None
+    straggler_cause: list[Cause] | None = Field(
+        None,
+        min_length=1,
+        description="The incident's straggler verdict (the latest straggler event's `straggler_cause`: the "
+        "slow rank's profile against a healthy peer's, docs/culprit.md) is one of these. An incident "
+        "without a verdict never matches.",
+    )
     diagnostic: DiagnosticCondition | None = None
     out_of_service: bool | None = Field(None, description="The node is drained or down by us.")
     recent_remediations_at_least: PositiveInt | None = Field(

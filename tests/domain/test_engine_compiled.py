@@ -68,6 +68,8 @@ rules:
   - {id: ecc, description: e, when: {ecc_dbe_at_least: 2}, then: {classification: hardware, action: replace}}
   - {id: straggler, description: st, when: {straggler: {ratio_at_least: 1.5, reports_at_least: 2}},
      then: {classification: hardware, action: diagnose, diagnose_level: 1}}
+  - {id: straggler-cause, description: sc, override: true, when: {straggler_cause: [software-input, unknown]},
+     then: {classification: software, action: none}}
   - {id: diagnostic, description: d, when: {diagnostic: {result: fail, level_at_least: 2, worst_severity: [TRIAGE, RESET]}},
      then: {classification: hardware, action: diagnose, diagnose_level: next}}
   - {id: diag-pass, description: dp, when: {diagnostic: {result: pass}, out_of_service: true},
@@ -133,7 +135,9 @@ def attributes(draw: st.DrawFn, kind: EventKind) -> dict[str, object]:
         case EventKind.ECC:
             return {"dbe": draw(st.integers(0, 2)), "sbe": draw(st.integers(0, 9)), **extra}
         case EventKind.STRAGGLER:
-            return {"step_time_ratio": draw(st.sampled_from([1.1, 1.5, 2.0])), **extra}
+            cause = draw(st.sampled_from([None, "software-input", "hardware-io", "unknown", "not-a-cause"]))
+            verdict = {"straggler_cause": cause, "straggler_cause_confidence": 0.9} if cause else {}
+            return {"step_time_ratio": draw(st.sampled_from([1.1, 1.5, 2.0])), **verdict, **extra}
         case EventKind.GPU_MISSING:
             return {"expected": 8, "found": 7, **extra}
         case EventKind.JOB_CRASH:

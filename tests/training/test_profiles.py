@@ -127,6 +127,55 @@ def test_a_request_file_asks_for_one_profile_of_the_steps_it_says(tmp_path: Path
     assert hooks.profile_wanted() is None
 
 
+def test_a_request_from_a_step_starts_at_that_step_and_not_before(tmp_path: Path) -> None:
+    hooks = armed(tmp_path, steps=3)
+    (tmp_path / "artifacts" / REQUEST).write_text(json.dumps({"steps": 4, "from_step": 10}))
+    assert run_steps(hooks, range(1, 30), 0.1) == [10]  # read at the first step, taken at the tenth
+    assert not (tmp_path / "artifacts" / REQUEST).exists()
+
+
+@pytest.mark.parametrize(
+    ("from_step", "began"),
+    [
+        (21, [21]),  # the next step: exactly
+        (18, [21]),  # three steps past: still the pair's steps, mostly
+        (17, []),  # four steps past: the steps it wanted are gone
+    ],
+)
+def test_a_request_for_steps_already_past_starts_at_once_or_is_dropped_as_stale(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, from_step: int, began: list[int]
+) -> None:
+    clock = Clock()
+    hooks = armed(tmp_path, clock, steps=3, poll_s=5)
+    assert run_steps(hooks, range(1, 21), 0.1) == []
+    (tmp_path / "artifacts" / REQUEST).write_text(json.dumps({"steps": 2, "from_step": from_step}))
+    clock.now += 5
+    assert run_steps(hooks, range(21, 30), 0.1) == began
+    assert not (tmp_path / "artifacts" / REQUEST).exists()  # taken either way: it never asks again
+    assert ("dropped as stale" in caplog.text) is (not began)
+
+
+def test_a_slowdown_waits_for_the_steps_a_request_asked_for(tmp_path: Path) -> None:
+    hooks = armed(tmp_path, steps=3)
+    (tmp_path / "artifacts" / REQUEST).write_text(json.dumps({"steps": 2, "from_step": 25}))
+    assert run_steps(hooks, range(1, 16), 0.1) == []
+    # Slowed at 16 (tipped at 19): its own profile comes after the pair's steps, not into them.
+    assert run_steps(hooks, range(16, 40), 0.13) == [25, 27]
+
+
+def test_the_step_timings_say_where_requests_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    hooks = MedicHooks(JOB, "node-b", RANK, tmp_path / "events.jsonl", world_size=4, timings_every=2)
+    hooks.step(1, 1.0, 0.1)
+    [plain] = hooks.step(2, 1.0, 0.1)
+    assert "artifacts_dir" not in plain.attributes  # no requests taken: nowhere to write one
+    hooks.profile_on_demand("artifacts")  # relative here: the report says it in full
+    hooks.step(3, 1.0, 0.1)
+    [report] = hooks.step(4, 1.0, 0.1)
+    parsed = FaultEvent.model_validate_json(report.to_json())
+    assert parsed.attributes["artifacts_dir"] == str(Path("artifacts").absolute())
+
+
 @pytest.mark.parametrize(
     "content", ["", "not json", '{"steps": 0}', f'{{"steps": {MAX_PROFILE_STEPS + 1}}}', "[]"]
 )
