@@ -298,12 +298,33 @@ def test_the_generated_incidents_reach_every_rule():
         fault_event("nan_loss", id=f"n{job}", minutes=1, node="n1", switch="leaf-1", gpu=0, job=job)
         for job in ("j1", "j2")
     ]
+    # And one GPU's XIDs in two episodes (`count-gpu`), and a sustained straggler with no verdict
+    # (`straggler`): the draws are seeded from this test's source, and an edit of it once drew neither.
+    episodes = [
+        fault_event(
+            "xid", id=f"x{n}", minutes=5 * n, node="n1", switch="leaf-1", gpu=0, attributes={"code": 79}
+        )
+        for n in (1, 2)
+    ]
+    slow = [
+        fault_event(
+            "straggler",
+            id=f"t{n}",
+            minutes=n,
+            node="n1",
+            switch="leaf-1",
+            attributes={"step_time_ratio": 2.0},
+        )
+        for n in (1, 2)
+    ]
 
     @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
     @given(stream=events(), out_of_service=st.booleans())
     @example(stream=storm, out_of_service=False)
     @example(stream=one_job, out_of_service=False)
     @example(stream=two_jobs, out_of_service=False)
+    @example(stream=slow, out_of_service=False)
+    @example(stream=episodes, out_of_service=False)
     def collect(stream, out_of_service):
         context = Context(stream, switch_sizes={"leaf-1": 2, "leaf-2": 2})
         for facts in facts_in_turn(EVERY_CONDITION, correlate(stream), out_of_service, context):
