@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -210,6 +211,9 @@ def _policy_now() -> Policy | None:
 
 
 VERDICTS = ("agreed", "disagreed", "missed_by_people", "false_alarm", "pending")
+# The report moves by hours (a 6 h window, 7 days' recurrence) and costs a 30-day read of the store:
+# scrapes within a minute of each other, from several Prometheus servers, share one build.
+ROLLOUT_REFRESH_S = 60.0
 
 
 class RolloutCollector(Collector):
@@ -220,6 +224,7 @@ class RolloutCollector(Collector):
     def __init__(self, store: Store, policy: Callable[[], Policy | None] = _policy_now) -> None:
         self.store = store
         self.policy = policy
+        self._last: tuple[float, Policy, RolloutReport] | None = None  # built at, for what bar, what
 
     def describe(self) -> Iterator[Metric]:
         yield from self._families()  # named here, so registering reads nothing
@@ -228,12 +233,22 @@ class RolloutCollector(Collector):
         policy = self.policy()
         if policy is None:
             return
+        built = self._report(policy)
+        if built is not None:
+            yield from self._filled(built)
+
+    def _report(self, policy: Policy) -> RolloutReport | None:
+        """The report, built again when the last is a minute old or the bar has changed."""
+        last, at = self._last, time.monotonic()
+        if last is not None and at - last[0] < ROLLOUT_REFRESH_S and last[1] == policy:
+            return last[2]
         now = utcnow()
         try:
             built = self.store.rollout_report(policy, since=now - SINCE, now=now)
         except Exception:  # the store's trouble: medic_store_up says it
-            return
-        yield from self._filled(built)
+            return None
+        self._last = (at, policy, built)
+        return built
 
     def _filled(self, built: RolloutReport) -> Iterator[Metric]:
         verdicts, misses, destructive, agreement, ready, saved = self._families()

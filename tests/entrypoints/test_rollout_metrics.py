@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from rollout_support import CANARY_POLICY, decide, seed
 
+from medic.apps.server import metrics
 from medic.apps.server.app import create_app
 from medic.integrations.registry import Backends
 from medic.policy.model import Action
@@ -81,6 +82,23 @@ def test_an_edit_of_the_bar_shows_at_the_next_scrape(serving: tuple[TestClient, 
         assert of(rollout_samples(client), "canary")["medic_rollout_ready"] == 0
         policy.write_text(CANARY_POLICY.replace("min_agreement: 0.5", "min_agreement: 0.3"))
         assert of(rollout_samples(client), "canary")["medic_rollout_ready"] == 1
+
+
+def test_scrapes_within_a_minute_share_one_report(
+    serving: tuple[TestClient, Path], sqlite_store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, _ = serving
+    built: list[object] = []
+    build = Store.rollout_report
+    monkeypatch.setattr(
+        Store, "rollout_report", lambda self, *a, **k: built.append(1) or build(self, *a, **k)
+    )
+    with client:
+        first = rollout_samples(client)
+        assert rollout_samples(client) == first and len(built) == 1
+        monkeypatch.setattr(metrics, "ROLLOUT_REFRESH_S", 0.0)  # as if a minute had gone by
+        rollout_samples(client)
+    assert len(built) == 2
 
 
 def test_only_the_report_s_default_span_is_counted(
