@@ -187,7 +187,7 @@ class LiveDispatcher:
 
     def _diff(self, traces: PairTraces) -> None:
         """Diff a pair's traces (seconds of CPU, outside the lock: intake goes on meanwhile)."""
-        diff = diff_pair(traces)
+        diff = diff_pair(traces, self.rt.artifact_root)
         log.info(
             "profile diff of %s rank %s: %s (%s)", traces.job, traces.suspect_rank, diff.cause, diff.reason
         )
@@ -311,13 +311,19 @@ def _within(events: list[FaultEvent], last: datetime, window: timedelta) -> list
     return joined
 
 
+def under(path: Path, root: Path | None) -> bool:
+    """Whether `path`, a job's word, lies under MEDIC_ARTIFACT_ROOT (`root`): this service reads and
+    writes the jobs' files there and nowhere else."""
+    return root is not None and path.resolve().is_relative_to(root.resolve())
+
+
 def write_asks(asks: list[ProfileAsk], root: Path | None) -> None:
     """Write each rank's profile request where its hooks look, only under `root` (MEDIC_ARTIFACT_ROOT,
     the directory jobs write their files to): the folder comes from the job's own reports, and this
     service writes nowhere an event names at will. One not under it, or that cannot be written, is
     logged and dropped: a profile is worth less than intake going on."""
     for ask in asks:
-        if root is None or not ask.path.resolve().is_relative_to(root.resolve()):
+        if not under(ask.path, root):
             log.warning(
                 "not asking %s rank %s for a profile: %s is not under MEDIC_ARTIFACT_ROOT (%s)",
                 ask.job,
@@ -341,8 +347,13 @@ def write_asks(asks: list[ProfileAsk], root: Path | None) -> None:
             )
 
 
-def diff_pair(traces: PairTraces) -> ProfileDiff:
-    """The diff of a pair's traces; whatever goes wrong gives `unknown` with why, never a cause."""
+def diff_pair(traces: PairTraces, root: Path | None) -> ProfileDiff:
+    """The diff of a pair's traces, read only under `root` (the paths are the job's reports); whatever
+    goes wrong gives `unknown` with why, never a cause."""
+    outside = [str(t) for t in (traces.suspect, traces.peer) if not under(t, root)]
+    if outside:
+        reason = f"not read: {', '.join(outside)} not under MEDIC_ARTIFACT_ROOT ({root or 'unset'})"
+        return ProfileDiff(cause=Cause.UNKNOWN, confidence=0.0, reason=reason, steps=[])
     try:
         return diagnose(traces.suspect, traces.peer)
     except Exception as error:  # a bug in reading one odd trace must not end the service

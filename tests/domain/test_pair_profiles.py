@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,9 +17,9 @@ from factories import fault_event
 
 from medic.culprit import Differential, differential
 from medic.events import EventKind, FaultEvent
-from medic.flows.live import LiveDispatcher, write_asks
+from medic.flows.live import LiveDispatcher, diff_pair, write_asks
 from medic.integrations.registry import Backends
-from medic.pair_profiles import COOLDOWN, PAIR_STEPS, ProfileAsk, verdict_attributes
+from medic.pair_profiles import COOLDOWN, PAIR_STEPS, PairTraces, ProfileAsk, verdict_attributes
 from medic.peers import TIMINGS_CHECK
 from medic.profile_diff import Category, Cause, Growth, ProfileDiff, diagnose
 from medic.profiles import PROFILE_CHECK
@@ -268,6 +269,15 @@ def test_a_request_is_written_only_under_the_artifact_root(
     assert caplog.text.count("is not under MEDIC_ARTIFACT_ROOT") == 3
 
 
+def test_traces_outside_the_artifact_root_are_not_read(tmp_path: Path) -> None:
+    outside = PairTraces(JOB, SLOW, PEER, Path("/etc/passwd"), tmp_path / "peer.json")
+    diff = diff_pair(outside, tmp_path)
+    assert (diff.cause, diff.reason) == (
+        Cause.UNKNOWN,
+        f"not read: /etc/passwd not under MEDIC_ARTIFACT_ROOT ({tmp_path})",
+    )
+
+
 def test_the_live_path_asks_for_the_pair_and_diffs_it_off_the_event_loop(
     tmp_path: Path,
     sqlite_store: Store,
@@ -285,8 +295,11 @@ def test_the_live_path_asks_for_the_pair_and_diffs_it_off_the_event_loop(
     monkeypatch.setattr(dispatcher, "_take", take)
     for rank in range(WORLD):
         Path(folder(tmp_path, rank)).mkdir(parents=True, exist_ok=True)
-    # Real traces of the reference job, rank 1 busy in a Python function.
-    suspect, peer = FIXTURES / "python-r1.pt.trace.json.gz", FIXTURES / "python-r0.pt.trace.json.gz"
+    # Real traces of the reference job, rank 1 busy in a Python function, where the jobs write their
+    # files: serve reads traces under MEDIC_ARTIFACT_ROOT only.
+    suspect, peer = (
+        Path(shutil.copy(FIXTURES / f"python-r{rank}.pt.trace.json.gz", tmp_path)) for rank in (1, 0)
+    )
 
     async def serve() -> None:
         await dispatcher(rounds(tmp_path, 1, 2))

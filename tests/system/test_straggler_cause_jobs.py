@@ -57,7 +57,7 @@ def serve(workdir: Path, job: subprocess.Popen[str]) -> tuple[FaultEvent, list[F
                     return out, seen
         write_asks(differential.pairs.take_asks(), workdir)
         for traces in differential.pairs.take_ready():
-            differential.pairs.diagnosed(traces, diff_pair(traces))
+            differential.pairs.diagnosed(traces, diff_pair(traces, workdir))
         time.sleep(0.2)
     raise AssertionError(f"no straggler with a cause in {workdir} (see torchrun.log)")
 
