@@ -347,6 +347,14 @@ def write_asks(asks: list[ProfileAsk], root: Path | None) -> None:
             )
 
 
+def ask_and_diagnose(differential: Differential, root: Path | None) -> None:
+    """Write the differential's profile requests and diff the pairs now in, here and now: what a
+    file replayed in order needs (`medic demo`); the service diffs on a worker thread instead."""
+    write_asks(differential.pairs.take_asks(), root)
+    for traces in differential.pairs.take_ready():
+        differential.pairs.diagnosed(traces, diff_pair(traces, root))
+
+
 def diff_pair(traces: PairTraces, root: Path | None) -> ProfileDiff:
     """The diff of a pair's traces, read only under `root` (the paths are the job's reports); whatever
     goes wrong gives `unknown` with why, never a cause."""

@@ -15,6 +15,9 @@ PACKAGE = Path(__file__).resolve().parent
 # must not stand in for the package in the paths we print.
 SHIPPED_POLICY = PACKAGE / "policies" / "default.yaml"
 ALERT_MAP = PACKAGE / "data" / "alertmanager.yaml"  # POST /v1/alertmanager: alerts to fault kinds
+# Real torch.profiler traces of the reference job (SOURCES.md there): `medic demo`'s job answers
+# GPU Medic's profile requests with them.
+DEMO_PROFILES = PACKAGE / "data" / "profiles"
 TRAIN_SCRIPT = PACKAGE / "training" / "train.py"
 SLURM_HOOKS = PACKAGE / "slurm_hooks"
 SYSTEMD_UNITS = PACKAGE / "systemd"

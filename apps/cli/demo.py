@@ -7,6 +7,7 @@ included, must not pay Prefect's import.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import threading
 import time
@@ -22,6 +23,7 @@ from rich.table import Table
 
 from medic.apps.cli import demo_sweep, render
 from medic.apps.cli._common import console, load_policy_or_exit
+from medic.apps.cli.demo_job import DemoJob
 from medic.config import load_settings
 from medic.events import event_time
 from medic.intake import read_lines
@@ -45,6 +47,7 @@ class Scenario:
     fleet: SimFleet
     lines: list[str]
     story: list[str]
+    job: DemoJob  # reports as it runs: it answers GPU Medic's profile requests
 
 
 def _event(n: int, at: datetime, kind: str, node: str, **fields: Any) -> dict[str, Any]:
@@ -58,8 +61,9 @@ def _event(n: int, at: datetime, kind: str, node: str, **fields: Any) -> dict[st
     }
 
 
-def build_scenario(now: datetime | None = None) -> Scenario:
-    """The fleet, its jobs, scripted diagnostics, and the event lines the faults produce."""
+def build_scenario(artifacts: Path, now: datetime | None = None) -> Scenario:
+    """The fleet, its jobs, scripted diagnostics, and the event lines the faults produce; the
+    training job's ranks keep their files under `artifacts` (under MEDIC_ARTIFACT_ROOT)."""
     t0 = (now or datetime.now(UTC)) - timedelta(minutes=3)
     fleet = SimFleet.build(nodes=12, gpus=8, per_switch=4)
     fleet.add_job(
@@ -100,7 +104,8 @@ def build_scenario(now: datetime | None = None) -> Scenario:
     # 2. NaN loss in vision-ft: the application's fault; the node is left alone.
     add(60, "nan_loss", "gpu-node-5", job="vision-ft", rank=0, iteration=8_215, source="job")
     add(61, "job_crash", "gpu-node-5", job="vision-ft", rank=0, source="job", attributes={"exit_code": 1})
-    # 3. DCGM's health watch on gpu-node-2 flags low memory bandwidth (TRIAGE): the ladder climbs.
+    # 3. DCGM's health watch on gpu-node-2 flags low memory bandwidth (TRIAGE), and the job's step
+    #    timings name rank 1 there as the straggler; its profile blames the device: DCGM level 2 first.
     add(
         90,
         "dcgm_health",
@@ -109,28 +114,20 @@ def build_scenario(now: datetime | None = None) -> Scenario:
         source="dcgm",
         attributes={"error_id": "DCGM_FR_MEMORY_BANDWIDTH"},
     )
-    # The job's step timings, one report per rank every 10 steps: rank 1's own work (before its first
-    # collective) takes 42% longer than its peers', which peer comparison names (docs/culprit.md).
-    for window in range(2):
-        first = 12_310 + 10 * window
-        for rank in range(4):
-            compute = 1.2 * (1.42 if rank == 1 else 1.0)
-            add(
-                95 + 18 * window + rank / 10,
-                "health_check",
-                f"gpu-node-{rank + 1}",
-                job="llm-pretrain",
-                rank=rank,
-                gpu=2,
-                source="job",
-                attributes={
-                    "check": "step_timings",
-                    "first_step": first,
-                    "world_size": 4,
-                    "step_times_s": [2.3] * 10,
-                    "compute_s": [round(compute + 0.01 * ((step * (rank + 3)) % 5), 3) for step in range(10)],
-                },
-            )
+    # The job's ranks report their step timings every 10 steps from t0 + 72 s (demo_job.py): rank 1's
+    # own work (before its first collective) takes 42% longer than its peers', which peer comparison
+    # names; GPU Medic then asks rank 1 and a healthy peer for a profile of the same steps.
+    job = DemoJob(
+        name="llm-pretrain",
+        nodes=[f"gpu-node-{i}" for i in (1, 2, 3, 4)],
+        switches={f"gpu-node-{i}": fleet.node(f"gpu-node-{i}").switch for i in (1, 2, 3, 4)},
+        folder=artifacts / "llm-pretrain",
+        start=t0 + timedelta(seconds=72),
+        first_step=12_310,
+        windows=4,
+        slow_rank=1,
+        gpu=2,
+    )
     # 4. A lone collective timeout on gpu-node-7: a quick DCGM level 1 settles it (passes).
     add(150, "nccl_timeout", "gpu-node-7", job="vision-ft", rank=3, source="job")
     # 5. Every node under leaf-3 times out at once: the switch's trouble, one incident, no node touched.
@@ -146,13 +143,15 @@ def build_scenario(now: datetime | None = None) -> Scenario:
         "gpu-node-3: XID 79 (GPU fallen off the bus), the training job's ranks time out and crash",
         "gpu-node-5: NaN loss at iteration 8,215 in vision-ft, then the job crashes",
         "gpu-node-2: DCGM's health watch flags low memory bandwidth on GPU 2; comparing the job's ranks"
-        " with their peers names rank 1 there as the straggler",
+        " with their peers names rank 1 there as the straggler; its profile against a healthy peer's"
+        " (real traces of the reference job, one recorded with a slowed compute op) blames the device,"
+        " so the diagnostics start at DCGM level 2",
         "gpu-node-7: a lone NCCL timeout; its group, canary, is in observe mode: GPU Medic only says what it"
         " would do",
         "leaf-3: all four nodes under the switch report NCCL timeouts at once",
         "two malformed lines in the feed",
     ]
-    return Scenario(fleet, lines, story)
+    return Scenario(fleet, lines, story, job)
 
 
 # Beside the nodes GPU Medic remediates, two it only watches, as a rollout starts (docs/policy.md#groups-and-modes).
@@ -267,6 +266,7 @@ def demo(
     keep: Annotated[bool, typer.Option(help="Keep the demo's earlier incidents in the store.")] = False,
 ) -> None:
     """Run a simulated 8-node fleet through real Prefect flows (no servers to set up)."""
+    from medic.apps.cli.demo_job import through_differential
     from medic.apps.cli.prefect_run import run_flows
     from medic.flows.dispatch import remediate_all
 
@@ -275,8 +275,7 @@ def demo(
     if not keep:
         for suffix in ("", "-wal", "-shm"):
             Path(f"{database}{suffix}").unlink(missing_ok=True)
-    scenario = build_scenario()
-    events_file = write_events(scenario.lines, settings.home / "demo-events.jsonl")
+    scenario = build_scenario(settings.artifact_root / "demo")
     backends, notifier = simulated_backends(scenario)
     loaded = load_policy_or_exit(None)
     store = Store(f"sqlite:///{database}")
@@ -287,8 +286,12 @@ def demo(
     for line in scenario.story:
         console.print(f"  • {line}")
     console.print('  • the policy asks a human before replacing a node: the demo answers as one ("demo")')
+    events_file = settings.home / "demo-events.jsonl"
     console.print(f"[dim]events: {events_file}; store: {database}; policy: {policy}[/dim]\n")
-    intake = read_lines(scenario.lines, events_file.name)
+    serve = functools.partial(through_differential, job=scenario.job, root=settings.artifact_root)
+    intake = read_lines(scenario.lines, events_file.name, diagnose=serve)
+    # The file holds what the feed held: the job's reports too, for `medic triage` to read again.
+    write_events(scenario.lines + [e.model_dump_json() for e in scenario.job.emitted], events_file)
     dispatch = run_flows(remediate_all(rt, intake))
 
     console.print(render.rejections_table(intake.rejected))

@@ -127,6 +127,10 @@ def message_panel(message: Message, replies: list[str]) -> Panel:
         body.append("Recommended:\n", style="bold")
         for item in message.recommend:
             body.append(f"  • {item}\n")
+    if message.artifacts:  # a slow rank's profile and its peer's, a hung rank's stack dump
+        body.append("Files:\n", style="bold")
+        for artifact in message.artifacts:
+            body.append(f"  • {artifact.what}: {artifact.path}\n")
     for reply in replies:
         body.append(f"  ↳ {reply}\n", style="italic")
     return Panel(body, title=f"Slack → {message.channel} (not sent: no token)", title_align="left")

@@ -22,6 +22,7 @@ from medic.profile_diff import (
     diagnose,
     read_summary,
 )
+from medic.shipped import DEMO_PROFILES
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "profiles"
 DATA_LOADER = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
@@ -29,7 +30,8 @@ BATCH_COPY = "aten::to|[[32,16],[],[],[],[],[],[],[]]"
 
 
 def trace(cause: str, rank: int) -> Path:
-    return FIXTURES / f"{cause}-r{rank}.pt.trace.json.gz"
+    folder = DEMO_PROFILES if cause == "compute" else FIXTURES  # the package ships the demo's pair
+    return folder / f"{cause}-r{rank}.pt.trace.json.gz"
 
 
 @functools.cache  # each trace is read once for the module: ~0.3 s apiece

@@ -48,16 +48,35 @@ def test_demo_remediates_hardware_and_leaves_application_faults_alone(
     assert resume.detail is not None and resume.detail["checkpoint_step"] == 12_000
     assert "resumed from step 12000" in result.output
     assert "L2 fail (DCGM_FR_FAULTY_MEMORY)" in result.output
-    # The ladder climbed: a quick level 1 passed, level 2's memory test failed, the node was replaced.
+    # The straggler's profile blamed the device, so the ladder started at level 2 (docs/culprit.md):
+    # its memory test failed, the node was replaced, and level 1 let the new one in.
     climbed = store.incident_detail(incidents["gpu-node-2"].id)
     assert climbed is not None
-    assert [(d.level, d.result) for d in climbed.diagnostics] == [(1, "pass"), (2, "fail"), (1, "pass")]
+    assert [(d.level, d.result) for d in climbed.diagnostics] == [(2, "fail"), (1, "pass")]
     # Its straggler came from comparing the job's four ranks with one another, not from a rank's say-so.
     peers = [e for e in climbed.events if e.kind == "straggler"]
     assert peers and {(e.rank, e.attributes["detector"]) for e in peers} == {(1, "peer")}
     assert not any(i.node in ("gpu-node-1", "gpu-node-4") for i in incidents.values())  # its peers
+    # GPU Medic asked rank 1 and a healthy peer for a profile of the same steps; the job answered with
+    # its traces (recorded real ones), and the stragglers named after the diff carry its verdict.
+    artifacts = tmp_path / "artifacts" / "demo" / "llm-pretrain"
+    assert sorted(p.name for p in artifacts.iterdir()) == [
+        "llm-pretrain-r0-step12339-profile.pt.trace.json",
+        "llm-pretrain-r1-step12339-profile.pt.trace.json",
+    ]
+    judged = [e.attributes for e in peers if "straggler_cause" in e.attributes]
+    assert judged and {a["straggler_cause"] for a in judged} == {"hardware-compute"}
+    assert {a["straggler_cause_peer_artifact"] for a in judged} == {
+        str(artifacts / "llm-pretrain-r0-step12339-profile.pt.trace.json")
+    }
+    assert [d.rule for d in climbed.decisions] == ["straggler-hardware-cause", "diag-isolate"]
+    assert "Why it is slow: hardware-compute" in result.output
+    assert "profile of a healthy peer, against rank 1 on gpu-node-2" in result.output
+    # The event file holds what the feed held, the job's reports too: `medic triage` reads it again.
+    feed = (tmp_path / "demo-events.jsonl").read_text().splitlines()
+    assert sum('"check": "step_timings"' in line or '"check":"step_timings"' in line for line in feed) == 16
     stages = [s.stage for s in climbed.steps if s.stage not in ("notify", "update")]  # the chat's own pace
-    climb = ["triage", "diagnose L1", "decide", "diagnose L2", "decide", "approval", "act: replace"]
+    climb = ["triage", "diagnose L2", "decide", "approval", "act: replace"]
     assert [s for s in stages if s in climb] == climb, stages
     # Replacing wipes the node: the policy asks first, and the demo answers as a person would.
     (approval,) = store.approvals(climbed.incident.id)

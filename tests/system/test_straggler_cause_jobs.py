@@ -20,7 +20,7 @@ import pytest
 from bench.resume import job_command
 from medic.culprit import Differential
 from medic.events import EventKind, FaultEvent
-from medic.flows.live import diff_pair, write_asks
+from medic.flows.live import ask_and_diagnose
 from medic.integrations.processes import descendants, kill
 from medic.pair_profiles import PAIR_STEPS
 from medic.profiles import PROFILE_CHECK
@@ -55,9 +55,7 @@ def serve(workdir: Path, job: subprocess.Popen[str]) -> tuple[FaultEvent, list[F
             for out in differential.push(event):
                 if out.kind is EventKind.STRAGGLER and "straggler_cause" in out.attributes:
                     return out, seen
-        write_asks(differential.pairs.take_asks(), workdir)
-        for traces in differential.pairs.take_ready():
-            differential.pairs.diagnosed(traces, diff_pair(traces, workdir))
+        ask_and_diagnose(differential, workdir)
         time.sleep(0.2)
     raise AssertionError(f"no straggler with a cause in {workdir} (see torchrun.log)")
 
