@@ -46,6 +46,7 @@ from medic.tasks.guard import ensure_limits
 from medic.tasks.notify import IncidentThread
 from medic.tasks.resume import ResumeOutcome, moved_jobs, restart_hung_job, resume_job
 from medic.tasks.runtime import current
+from medic.tasks.spares import lend_spare
 from medic.tasks.stage import stage
 from medic.tasks.triage import Triage, triage
 from medic.tasks.verify import VerifyOutcome, verify, verify_budget_s
@@ -320,7 +321,12 @@ async def remediate(incident_id: str, node: str) -> Outcome:
     await _tag_run(triaged, decision)
 
     checking = None
+    to_resume = _jobs_to_resume(incident_id, triaged, acted)
     if acted.verified_here(incident_id) and decision.action in DESTRUCTIVE:
+        if to_resume:
+            # The spare goes to the moved jobs before the repaired node is checked: a node that
+            # passes refills the pool only once it is short (tasks/spares.py).
+            lend_spare(current(), incident_id, node)
         # The deep checks a replacement or repair requires can take hours (DCGM level 4, an
         # all-reduce): the task's limit is theirs. Checked beside the wait on the moved jobs, not
         # after it: with no spare and no idle node, the repaired node is what they wait for.
@@ -332,7 +338,6 @@ async def remediate(incident_id: str, node: str) -> Outcome:
         )
 
     resumed = None
-    to_resume = _jobs_to_resume(incident_id, triaged, acted)
     # A hung job kept on its nodes is restarted there: else only its watchdog ends the hang. Not for a
     # switch's incident: behind a switch that failed, the same nodes would hang again.
     kept = not to_resume and decision.mode is not Mode.OBSERVE and (record is None or record.scope == "node")

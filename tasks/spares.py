@@ -18,19 +18,24 @@ def lend_spare(rt: Runtime, incident_id: str, node: str) -> str:
     if pool is None or rt.policy().policy.spares.nodes == 0:
         return ""
     key = f"{incident_id}:{node}:{LEND}"
-    _, claimed = rt.store.claim_action(key, incident_id, node, LEND)
+    row, claimed = rt.store.claim_action(key, incident_id, node, LEND)
     if not claimed:
-        return ""  # lent for this incident already, or by a run that died: never a second one
+        # Lent for this incident already (the flow lends before its verification starts, the job's
+        # requeue asks again): what came of it; nothing after a run that died. Never a second one.
+        return row.detail if row.status in (ActionStatus.SUCCEEDED, ActionStatus.FAILED) else ""
     try:
         lent = pool.lend()
     except Exception as error:  # the repair goes on; the job waits for a free node instead
-        rt.store.finish_action(key, ActionStatus.FAILED, f"{type(error).__name__}: {error}")
-        return f"no spare lent: {error}"
+        said = f"no spare lent: {error}"
+        rt.store.finish_action(key, ActionStatus.FAILED, said)
+        return said
     if lent is None:
-        rt.store.finish_action(key, ActionStatus.FAILED, "the spare pool is empty")
-        return "no spare lent: the pool is empty, so the job waits for a free node"
-    rt.store.finish_action(key, ActionStatus.SUCCEEDED, f"lent spare {lent} for {node}")
-    return f"spare {lent} lent to the job"
+        said = "no spare lent: the pool is empty, so the job waits for a free node"
+        rt.store.finish_action(key, ActionStatus.FAILED, said)
+        return said
+    said = f"spare {lent} lent to the job"
+    rt.store.finish_action(key, ActionStatus.SUCCEEDED, said)
+    return said
 
 
 def refill_spares(rt: Runtime, incident_id: str, node: str) -> str | None:
