@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Hashable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cache
 from operator import attrgetter
@@ -125,6 +126,34 @@ class _Series:
 
     def count(self, start: datetime, end: datetime) -> int:
         return bisect_right(self.times, end) - bisect_left(self.times, start)
+
+
+@dataclass(frozen=True, slots=True)
+class Around:
+    """Where one decision's cross-node conditions can look (medic/policy/engine.py, `_lookups` and
+    `_switch`): events of `kinds` on the incident's nodes, jobs or switches, or at its iterations
+    (a `same_iteration_rank` count's marks); anywhere when a condition counts across the whole
+    cluster. A decision reads only these from the store: reading every event of the lookback made
+    its cost grow with the fleet and with the burst it is part of (BENCHMARKS.md, "At fleet scale")."""
+
+    kinds: frozenset[EventKind]
+    nodes: frozenset[str] = frozenset()
+    jobs: frozenset[str] = frozenset()
+    switches: frozenset[str] = frozenset()
+    iterations: frozenset[int] = frozenset()
+    everywhere: bool = False
+
+    def takes(self, event: Seen) -> bool:
+        """Whether the store's read (`Store.events_between`) gives `event`: the same test, in Python."""
+        if event.kind not in self.kinds:
+            return False
+        return (
+            self.everywhere
+            or event.node in self.nodes
+            or (event.job is not None and event.job in self.jobs)
+            or (event.switch is not None and event.switch in self.switches)
+            or (event.iteration is not None and event.iteration in self.iterations)
+        )
 
 
 class Context:

@@ -5,7 +5,7 @@ Unknown keys are errors everywhere, so a misspelt condition can never silently m
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from enum import StrEnum
 from typing import Annotated, Literal
@@ -23,9 +23,10 @@ from pydantic import (
     model_validator,
 )
 
+from medic.context import Around
 from medic.dcgm_errors import Severity
 from medic.errors import PermanentError
-from medic.events import EventKind
+from medic.events import EventKind, FaultEvent
 from medic.incidents import StormRule, Storms
 from medic.policy.approvers import APPROVER_PATTERN, check_entry
 from medic.policy.deep_checks import DeepChecks
@@ -531,6 +532,26 @@ class Policy(_Strict):
         kinds = {k for r in rules for c in r.when.count or () for k in c.event_kinds()}
         kinds.update(k for r in rules if r.when.switch for k in r.when.switch.kinds)
         return frozenset(kinds)
+
+    def around(self, events: Iterable[FaultEvent], node: str, switch: str | None) -> Around:
+        """What of the cluster's recent events a decision on these incident events can read: the
+        slices its rules' counts and switch conditions look in (medic/policy/engine.py), all of
+        them where a count looks across the cluster without a step mark."""
+        events = list(events)
+        rules = self.every_rule()
+        everywhere = any(
+            c.scope == "cluster" and not c.same_iteration_rank for r in rules for c in r.when.count or ()
+        )
+        return Around(
+            kinds=self.context_kinds(),
+            nodes=frozenset({node, *(e.node for e in events)}),
+            jobs=frozenset(e.job for e in events if e.job is not None),
+            switches=frozenset(
+                {*(e.switch for e in events if e.switch is not None), *filter(None, [switch])}
+            ),
+            iterations=frozenset(e.iteration for e in events if e.iteration is not None),
+            everywhere=everywhere,
+        )
 
     def storms(self, switch_sizes: Mapping[str, int] | None = None) -> Storms:
         """What correlation makes one switch-wide incident: the events the rules' `switch` conditions count."""

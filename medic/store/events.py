@@ -10,10 +10,11 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import insert, update
+from sqlalchemy import insert, or_, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import col, select
 
+from medic.context import Around
 from medic.events import FaultEvent
 from medic.incidents import Incident
 from medic.store.actions import succeeded_actions
@@ -121,9 +122,28 @@ class EventsMixin(StoreBase):
         with self.session() as s:
             return [_event_of(r) for r in s.exec(query.order_by(col(EventRecord.time), col(EventRecord.id)))]
 
-    def events_between(self, start: datetime, end: datetime) -> list[FaultEvent]:
-        """Every stored event in a time range: the cluster context for cross-node rules."""
+    def events_between(
+        self, start: datetime, end: datetime, around: Around | None = None
+    ) -> list[FaultEvent]:
+        """Every stored event in a time range, or only those `around` takes (`Around.takes`, here in
+        SQL): the cluster context for one decision's cross-node rules."""
         query = select(EventRecord).where(col(EventRecord.time) >= start).where(col(EventRecord.time) <= end)
+        if around is not None:
+            query = query.where(col(EventRecord.kind).in_(sorted(around.kinds)))
+            if not around.everywhere:
+                slices = [
+                    col(column).in_(sorted(values))
+                    for column, values in (
+                        (EventRecord.node, around.nodes),
+                        (EventRecord.job, around.jobs),
+                        (EventRecord.switch, around.switches),
+                        (EventRecord.iteration, around.iterations),
+                    )
+                    if values
+                ]
+                if not slices:
+                    return []
+                query = query.where(or_(*slices))
         with self.session() as s:
             return [_event_of(r) for r in s.exec(query)]
 

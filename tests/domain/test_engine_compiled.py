@@ -274,6 +274,11 @@ def test_compiled_decisions_equal_the_reference(stream, out_of_service, context_
             assert decision == reference(policy, facts, SHA)
             # A replay's short form (medic/whatif/replay.py) stops at the winner: the same one.
             assert ruling(policy, facts) == (decision.rule, decision.action, decision.diagnose_level)
+            # The live path reads only the context around the incident (Policy.around): the same one.
+            around = policy.around(facts.events, facts.node, facts.switch)
+            seen = stream if context_too else []
+            narrowed = Context((e for e in seen if around.takes(e)), switch_sizes=context.switch_sizes)
+            assert decide(policy, replace(facts, context=narrowed), SHA) == decision
 
 
 def test_the_generated_incidents_reach_every_rule():

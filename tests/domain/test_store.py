@@ -14,7 +14,8 @@ import pytest
 from factories import T0, fault_event, incident
 from sqlalchemy import text
 
-from medic.events import FaultEvent
+from medic.context import Around
+from medic.events import EventKind, FaultEvent
 from medic.incidents import correlate
 from medic.intake import Rejection, parse_line
 from medic.policy.model import Action, Classification, Decision
@@ -421,3 +422,42 @@ def test_approve_and_reject_clicked_at_once_one_wins(store: Store) -> None:
     # Taken back (the run could not be told), the next answer may win.
     store.reopen_approval(request.id or 0)
     assert store.claim_answer("inc-click", approved=True, by="U9", via="slack")[1] is True
+
+
+AROUND_EVENTS = [
+    fault_event("xid", id="own", node="n1", switch="leaf-1", job="j1", iteration=7, rank=0),
+    fault_event("xid", id="same-node", node="n1", minutes=1),
+    fault_event("nan_loss", id="same-job", node="n2", job="j1", minutes=1),
+    fault_event("nccl_timeout", id="same-switch", node="n3", switch="leaf-1", minutes=1),
+    fault_event("nan_loss", id="same-step", node="n4", iteration=7, rank=3, minutes=1),
+    fault_event("xid", id="elsewhere", node="n5", switch="leaf-2", job="j2", iteration=8, minutes=1),
+    fault_event("thermal", id="other-kind", node="n1", minutes=1),
+    fault_event("xid", id="too-late", node="n1", minutes=90),
+]
+
+
+@pytest.mark.parametrize(
+    "around",
+    [
+        Around(frozenset({EventKind.XID, EventKind.NAN_LOSS, EventKind.NCCL_TIMEOUT}), frozenset({"n1"})),
+        Around(
+            frozenset({EventKind.XID, EventKind.NAN_LOSS, EventKind.NCCL_TIMEOUT}),
+            frozenset({"n1"}),
+            jobs=frozenset({"j1"}),
+            switches=frozenset({"leaf-1"}),
+            iterations=frozenset({7}),
+        ),
+        Around(frozenset({EventKind.XID}), everywhere=True),
+        Around(frozenset({EventKind.XID})),  # nothing to look around: nothing read
+    ],
+    ids=["node", "every-slice", "everywhere", "nowhere"],
+)
+def test_a_decision_reads_from_the_store_only_the_events_around_its_incident(
+    sqlite_store: Store, around: Around
+) -> None:
+    """`events_between` with an `Around` gives in SQL what `Around.takes` gives in Python."""
+    sqlite_store.record_accepted(AROUND_EVENTS)
+    read = sqlite_store.events_between(T0, T0 + timedelta(minutes=60), around)
+    expected = [e.id for e in AROUND_EVENTS if e.time <= T0 + timedelta(minutes=60) and around.takes(e)]
+    assert sorted(e.id for e in read) == sorted(expected)
+    assert "other-kind" not in expected and "too-late" not in expected
