@@ -18,6 +18,10 @@ from medic.store.tables import DiagnosticRecord
 from medic.tasks.runtime import Runtime
 from medic.whatif.replay import record_facts
 
+# Replicas' clocks differ a little: a drain recorded just before a snapshot's read by another
+# machine's clock must still be added to it.
+CLOCK_SKEW = timedelta(seconds=2)
+
 
 def load_incident(rt: Runtime, incident_id: str) -> Incident:
     record = rt.store.get_incident(incident_id)
@@ -67,7 +71,7 @@ def switch_sizes(nodes: list[NodeInfo]) -> Counter[str]:
 
 def storms(rt: Runtime) -> Storms:
     """What makes one switch-wide incident now: the policy's switch conditions, the scheduler's switches."""
-    return rt.policy().policy.storms(switch_sizes(rt.backends.scheduler.nodes()))
+    return rt.policy().policy.storms(switch_sizes(rt.fleet().nodes))
 
 
 def counted_out_of_service(nodes: list[NodeInfo], *, by_others: bool) -> frozenset[str]:
@@ -85,13 +89,16 @@ def fleet_state(
     nodes: list[NodeInfo],
     incident_id: str | None = None,
     rails: Guardrails | None = None,
+    since: datetime | None = None,
 ) -> FleetState:
     """The fleet as the guardrails must see it: the scheduler's nodes and our recorded actions.
 
     For a decision on `incident_id`, that incident's own destructive actions are not counted: one
     its earlier run carried out before it died is the same fault's action, which `act` finds done
     and never repeats, not another that the hourly cap and the node's cooldown hold back. With a
-    group's `rails`, `nodes` are the group's and only actions on them count."""
+    group's `rails`, `nodes` are the group's and only actions on them count. With `since`, when
+    `nodes` were read (a snapshot, tasks/fleet_nodes.py), the nodes GPU Medic took out from then on
+    count as out of service too: the store has them before the scheduler's next read does."""
     rails = rails or policy.guardrails
     names = frozenset(n.name for n in nodes)
     cooldown = timedelta(minutes=rails.node_cooldown_minutes or 0)
@@ -109,10 +116,15 @@ def fleet_state(
     reserved = reservations.reserved_nodes() if reservations is not None else frozenset()
     if rails is not policy.guardrails:
         reserved = reserved & names
+    taken: frozenset[str] = frozenset()
+    if since is not None:
+        recent = rt.store.taken_out_since(since - CLOCK_SKEW)
+        taken = frozenset(recent if rails is policy.guardrails else recent & names)
     return FleetState(
         now=now,
         fleet_size=len(nodes),
         out_of_service=reserved
+        | taken
         | counted_out_of_service(nodes, by_others=rails.count_out_of_service_by_others),
         destructive_at=tuple(a.intent_at for a in destructive),
         last_destructive={a.node: a.intent_at for a in destructive},
@@ -129,11 +141,12 @@ def check_rails(
     node: str,
     decision: Decision,
     scope: Scope = "node",
+    since: datetime | None = None,
 ) -> tuple[FleetState, tuple[str, str] | None]:
     """The fleet's state and the first guardrail the decision would break: the policy's over the
     fleet, then those of the node's group, as the scheduler shows the node now, over the group's
-    nodes (medic/policy/groups.py)."""
-    state = fleet_state(rt, policy, now, nodes, decision.incident)
+    nodes (medic/policy/groups.py). `since`: when `nodes` were read, as `fleet_state` takes it."""
+    state = fleet_state(rt, policy, now, nodes, decision.incident, since=since)
     stopped = guardrails.check(policy.guardrails, state, node, decision, scope)
     info = next((n for n in nodes if n.name == node), None) or groups.unknown_node(node)
     group = groups.place(policy, info).group if policy.groups else None
@@ -141,7 +154,9 @@ def check_rails(
     if stopped is not None or group is None or rails is None:
         return state, stopped
     inside = groups.members(group, nodes)
-    mine = fleet_state(rt, policy, now, [n for n in nodes if n.name in inside], decision.incident, rails)
+    mine = fleet_state(
+        rt, policy, now, [n for n in nodes if n.name in inside], decision.incident, rails, since
+    )
     hit = guardrails.check(rails, mine, node, decision, scope)
     return state, (hit[0], f"{hit[1]} in group {group.name}") if hit else None
 
@@ -153,12 +168,14 @@ def evaluate(rt: Runtime, incident_id: str) -> Decision:
     loaded = rt.policy()
     policy = loaded.policy
     now = utcnow()
-    nodes = rt.backends.scheduler.nodes()
+    fleet = rt.fleet()
+    nodes = fleet.nodes
     placement = groups.place_all(
         policy, incident.nodes if incident.scope == "switch" else [incident.node], nodes
     )
+    around = policy.around(incident.events, incident.node, incident.switch)
     context = Context(
-        rt.store.events_between(now - policy.lookback(), now),
+        rt.store.events_between(now - policy.lookback(), now, around),
         switch_sizes=switch_sizes(nodes),
         fleet_size=len(nodes),
     )
@@ -171,7 +188,9 @@ def evaluate(rt: Runtime, incident_id: str) -> Decision:
         gpu_history=gpu_history(rt, incident, policy, now),
     )
     decided = decide(groups.policy_for(policy, placement.group), facts, loaded.sha256)
-    state, stopped = check_rails(rt, policy, now, nodes, incident.node, decided, incident.scope)
+    state, stopped = check_rails(
+        rt, policy, now, nodes, incident.node, decided, incident.scope, since=fleet.read_at
+    )
     decision = groups.in_mode(guardrails.stop(decided, stopped) if stopped else decided, placement)
     guard = (decision.guardrail, decision.reason) if decision.guardrail else None
     if placement.mode is not Mode.OBSERVE:  # a node only watched never opens the fleet's breaker

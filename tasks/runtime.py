@@ -25,6 +25,7 @@ from medic.policy import LoadedPolicy, PolicyError, load_policy
 from medic.policy.approvers import Approvers, UserDirectory, is_email, resolve
 from medic.policy.selectors import OTHER_NODES
 from medic.store import Store, utcnow
+from medic.tasks.fleet_nodes import FleetNodes, Snapshot
 
 log = logging.getLogger("medic.runtime")
 
@@ -118,6 +119,15 @@ class Runtime:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _approvers: ApproverCache = field(default_factory=ApproverCache, repr=False)
     _modes_of: str | None = field(default=None, repr=False)  # the policy whose modes were recorded
+    _fleet: FleetNodes | None = field(default=None, repr=False)
+
+    def fleet(self) -> Snapshot:
+        """The scheduler's nodes, read at most every SNAPSHOT_S for this process's decisions
+        (tasks/fleet_nodes.py); the guardrails add the drains recorded since it was read."""
+        with self._lock:
+            if self._fleet is None:
+                self._fleet = FleetNodes(self.backends.scheduler.nodes)
+        return self._fleet.get()
 
     def policy(self) -> LoadedPolicy:
         """Read the policy file now, so an edit applies to the next incident without a restart.

@@ -122,6 +122,24 @@ class ActionsMixin(StoreBase):
         with self.session() as s:
             return succeeded_actions(s, since, actions=actions)
 
+    def taken_out_since(self, since: datetime) -> set[str]:
+        """The nodes we meant to take out of service since a time, whatever came of it (an intent
+        whose outcome was never recorded may have happened), less those we returned after."""
+        query = (
+            select(ActionRecord.node, ActionRecord.action, ActionRecord.status)
+            .where(col(ActionRecord.intent_at) >= since)
+            .where(col(ActionRecord.action).in_([*TAKE_OUT, RETURN]))
+            .order_by(col(ActionRecord.intent_at))
+        )
+        out: set[str] = set()
+        with self.session() as s:
+            for node, action, status in s.exec(query):
+                if action != RETURN:
+                    out.add(node)
+                elif status == ActionStatus.SUCCEEDED:
+                    out.discard(node)
+        return out
+
     def actions_during(
         self, node: str, start: datetime, end: datetime, actions: Iterable[str]
     ) -> list[ActionRecord]:
