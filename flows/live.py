@@ -31,13 +31,16 @@ are already stored, so a restart hands them on again from the backlog.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import heapq
+import itertools
 import logging
 import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Self
@@ -46,15 +49,17 @@ import anyio
 
 from medic.culprit import Differential
 from medic.events import EventKind, FaultEvent
+from medic.facts import facts_of
 from medic.flows.dispatch import remediate_one, stored
 from medic.flows.leases import Leases, runner_name
 from medic.incidents import Incident, Storms, correlate
 from medic.pair_profiles import PairTraces, ProfileAsk
+from medic.policy import decide
 from medic.profile_diff import Cause, ProfileDiff, diagnose
 from medic.statuses import ACTIVE_INCIDENT_STATUSES, TERMINAL_INCIDENT_STATUSES
 from medic.store.tables import IncidentRecord
 from medic.tasks import prefect_events
-from medic.tasks.contain import contain
+from medic.tasks.contain import CONTAINED, contain
 from medic.tasks.evidence import storms
 from medic.tasks.guard import ensure_limits
 from medic.tasks.notify import redeliver
@@ -64,6 +69,8 @@ from medic.topology import Topology
 
 log = logging.getLogger("medic.live")
 TOPOLOGY_REFRESH_S = 600.0  # switches change with recabling, not by the minute
+CONTAIN_CONCURRENCY = 4
+CONTAIN_FIRST_MAX_S = 60.0
 
 
 class LiveDispatcher:
@@ -79,6 +86,15 @@ class LiveDispatcher:
         self._differing = threading.Lock()  # batches and the settle timer take turns in worker threads
         self._topology_until = 0.0
         self._settling = False
+        # Containment first: a burst's drains are the seconds that count, and every flow run
+        # started beside them takes CPU from them (BENCHMARKS.md, "At fleet scale"). New flow runs
+        # wait while any containment is pending; the containments go a few at a time, so the
+        # first ones finish first instead of all finishing late together, and those whose own
+        # events already say "take the node out" go before those that will most likely leave it.
+        self._containing = 0
+        self._contained = asyncio.Event()
+        self._contained.set()
+        self._contain_turns = Turns(CONTAIN_CONCURRENCY)
 
     async def warm_up(self) -> None:
         """Start Prefect's API (embedded or remote) before the first fault needs it."""
@@ -244,12 +260,30 @@ class LiveDispatcher:
         run; a containment that fails leaves the work to the run, which drains as it always has."""
         if self._warming is not None:
             await anyio.to_thread.run_sync(self._warming.join)  # the guardrail slot lives on the API
+        self._containing += 1
+        self._contained.clear()
         try:
             await ensure_limits()  # made by the warm-up, unless the API was not there yet
-            await anyio.to_thread.run_sync(contain, self.rt, incident.id, incident.node, incident.scope)
+            async with self._contain_turns.turn(self.urgency(incident)):
+                await anyio.to_thread.run_sync(contain, self.rt, incident.id, incident.node, incident.scope)
         except Exception:
             log.exception("containment of %s on %s failed; its flow run goes on", incident.id, incident.node)
+        finally:
+            self._containing -= 1
+            if not self._containing:
+                self._contained.set()
+        with anyio.move_on_after(CONTAIN_FIRST_MAX_S):  # a burst that never ends must not stall the runs
+            await self._contained.wait()
         await self.start(incident)
+
+    def urgency(self, incident: Incident) -> int:
+        """0 for an incident whose first answer, from its own events alone, takes the node out; 1
+        for the rest. Only the order of the containments: each is decided in full all the same."""
+        try:
+            guess = decide(self.rt.policy().policy, facts_of(incident, now=datetime.now(UTC)))
+        except Exception:  # cannot tell: urgent
+            return 0
+        return 0 if guess.action in CONTAINED else 1
 
     def _correlate(self, events: list[FaultEvent]) -> list[Incident]:
         """Open (or join) the incidents for these events; returns those this process now runs."""
@@ -299,6 +333,41 @@ class LiveDispatcher:
         # has been quiet for a window, more of it is more evidence, not a second incident.
         statuses = ACTIVE_INCIDENT_STATUSES | TERMINAL_INCIDENT_STATUSES
         return self.rt.store.find_active_incident(switch, statuses, "switch")
+
+
+class Turns:
+    """At most `size` at a time; those waiting go in by priority (lower first), then by arrival."""
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, priority: int) -> AsyncIterator[None]:
+        if self._free and not self._waiting:
+            self._free -= 1
+        else:
+            called: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (priority, next(self._arrivals), called))
+            try:
+                await called
+            except asyncio.CancelledError:
+                if called.done() and not called.cancelled():
+                    self._next()  # given a turn as it was cancelled: pass it on
+                raise
+        try:
+            yield
+        finally:
+            self._next()
+
+    def _next(self) -> None:
+        while self._waiting:
+            _, _, called = heapq.heappop(self._waiting)
+            if not called.done():
+                called.set_result(None)
+                return
+        self._free += 1
 
 
 def _within(events: list[FaultEvent], last: datetime, window: timedelta) -> list[FaultEvent]:
