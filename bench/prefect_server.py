@@ -21,22 +21,37 @@ DEFAULT_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 
 @contextmanager
+def fresh_database(admin_url: str = DEFAULT_ADMIN_URL, prefix: str = "medic_bench") -> Iterator[str]:
+    """A new PostgreSQL database (its SQLAlchemy URL, as `admin_url`'s driver); dropped afterwards."""
+    from sqlalchemy import create_engine, text
+
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield admin_url.rsplit("/", 1)[0] + f"/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@contextmanager
 def prefect_on_postgres(home: Path, admin_url: str = DEFAULT_ADMIN_URL, *, ui: bool = False) -> Iterator[str]:
     """Start the server (its PREFECT_HOME: `home`) on a fresh database; yield its API URL; then
     stop it and drop the database. With `ui`, it also serves the web UI, pointed at its own API."""
-    from sqlalchemy import create_engine, text
+    with fresh_database(admin_url, "medic_prefect") as database:
+        yield from _serve(home, database.replace("postgresql+psycopg", "postgresql+asyncpg"), ui)
 
-    database = f"medic_prefect_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{database}"'))
-    base = admin_url.rsplit("/", 1)[0].replace("postgresql+psycopg", "postgresql+asyncpg")
+
+def _serve(home: Path, database: str, ui: bool) -> Iterator[str]:
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
-        "PREFECT_API_DATABASE_CONNECTION_URL": f"{base}/{database}",
+        "PREFECT_API_DATABASE_CONNECTION_URL": database,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_UI_ENABLED": str(ui).lower(),
         # Off port 4200 the UI would call an API that is not there: it must be told this one.
@@ -70,9 +85,6 @@ def prefect_on_postgres(home: Path, admin_url: str = DEFAULT_ADMIN_URL, *, ui: b
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             server.kill()
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
-        admin.dispose()
 
 
 def _free_port() -> int:

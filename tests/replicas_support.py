@@ -28,6 +28,7 @@ harness at a time per machine, so the tests and scripts/bench_replicas.py do not
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -58,6 +59,7 @@ from factories import event_dict
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
+from bench.prefect_server import fresh_database as bench_database
 from medic.policy import load_policy
 from medic.store.migrate import VERSION_TABLE
 
@@ -131,19 +133,9 @@ def free_port_block(count: int) -> int:
 # --- the store, read with plain SQL ---------------------------------------------------------------
 
 
-@contextmanager
-def fresh_database(admin_url: str) -> Iterator[str]:
+def fresh_database(admin_url: str) -> contextlib.AbstractContextManager[str]:
     """A new PostgreSQL database for the replicas' store; dropped afterwards."""
-    name = f"medic_replicas_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield admin_url.rsplit("/", 1)[0] + f"/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    return bench_database(admin_url, "medic_replicas")
 
 
 def _open_store(url: str, barrier: Any, answers: Any) -> None:
