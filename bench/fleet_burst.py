@@ -27,7 +27,6 @@ still being handled then (the backlog), and each replica's resident memory.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import random
 import sys
 import tempfile
@@ -114,7 +113,7 @@ def run(nodes: int, fatal: int, nonfatal: int, replicas: int) -> dict[str, Any]:
                 future.result()  # every event acknowledged (a refusal raises)
         posting_s = time.time() - started
 
-        since = _since(started)
+        since = datetime.fromtimestamp(started - 1, UTC)
         deadline = time.monotonic() + SETTLE_S
         exact_at = None
         while time.monotonic() < deadline:
@@ -165,10 +164,6 @@ def run(nodes: int, fatal: int, nonfatal: int, replicas: int) -> dict[str, Any]:
         }
 
 
-def _since(started: float) -> datetime:
-    return datetime.fromtimestamp(started - 1, UTC)
-
-
 def render(result: dict[str, Any]) -> str:
     exact = result["to_exact_s"]
     rows = [
@@ -200,8 +195,6 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["serve"]:
-        raise SystemExit("use bench.live serve")
     numbers = [int(a) for a in argv] or [NODES, FATAL, NONFATAL, REPLICAS]
     result = run(*numbers)
     print(render(result))
@@ -209,5 +202,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONHASHSEED", "0")
     main(sys.argv[1:])

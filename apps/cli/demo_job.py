@@ -71,8 +71,7 @@ class DemoJob:
             for rank, (request, began) in sorted(taking.items()):
                 if step - began + 1 == request.steps:
                     del taking[rank]
-                    trigger = triggers[rank]
-                    trigger.taking = False
+                    triggers[rank].taking = False  # as the hooks' `profiled` does: the next may come
                     yield self._profiled(rank, request, began, step, ended)
             if (offset + 1) % EVERY == 0:
                 for rank in range(len(self.nodes)):
