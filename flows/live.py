@@ -241,10 +241,23 @@ class LiveDispatcher:
 
             async def release() -> None:
                 await asyncio.sleep(seconds)
-                await self._open(self._held.pop(switch))
+                mine = self._held.pop(switch)
+                await self._open(mine + await anyio.to_thread.run_sync(self._held_elsewhere, switch, mine))
 
             self._spawn(release)
         held.append(event)
+
+    def _held_elsewhere(self, switch: str, mine: list[FaultEvent]) -> list[FaultEvent]:
+        """The storm's events that other replicas stored and still hold. A load balancer gives each
+        replica a share of a switch's events, and a share of a storm may fall under the policy's
+        `fraction_at_least` where the whole is over it: each replica would open node incidents for
+        a switch's trouble (BENCHMARKS.md, "At fleet scale", burst (c)). Whichever replica opens
+        the switch's incident first ties them all; the others' then join it."""
+        policy = self.rt.policy().policy
+        since = min(e.time for e in mine) - timedelta(minutes=policy.defaults.incident_window_minutes)
+        held = {e.id for e in mine}
+        found = self.rt.store.unassigned_on_switch(switch, policy.storms().kinds, since)
+        return [e for e in found if e.id not in held]
 
     async def _open(self, events: list[FaultEvent]) -> None:
         async with self._correlating:  # a release and a new batch must not both open an incident

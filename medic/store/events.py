@@ -117,6 +117,20 @@ class EventsMixin(StoreBase):
         with self.session() as s:
             return [_event_of(r) for r in s.exec(query)]
 
+    def unassigned_on_switch(self, switch: str, kinds: Iterable[str], since: datetime) -> list[FaultEvent]:
+        """Events of these kinds under `switch`, since `since`, that no incident holds yet, oldest
+        first: a storm's events that other replicas stored and are still holding."""
+        query = (
+            select(EventRecord)
+            .where(col(EventRecord.incident_id).is_(None))
+            .where(EventRecord.switch == switch)
+            .where(col(EventRecord.kind).in_(sorted(kinds)))
+            .where(col(EventRecord.time) >= since)
+            .order_by(col(EventRecord.time), col(EventRecord.id))
+        )
+        with self.session() as s:
+            return [_event_of(r) for r in s.exec(query)]
+
     def incident_events(self, incident_id: str) -> list[FaultEvent]:
         query = select(EventRecord).where(EventRecord.incident_id == incident_id)
         with self.session() as s:

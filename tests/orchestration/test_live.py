@@ -26,7 +26,9 @@ from waiting import until
 from medic.apps.server.app import create_app
 from medic.apps.server.slack import SlackCallbacks
 from medic.events import FaultEvent
+from medic.flows.leases import Leases
 from medic.flows.live import LiveDispatcher
+from medic.integrations import registry
 from medic.integrations.registry import Backends
 from medic.integrations.sim.fleet import SimFleet
 from medic.integrations.slack.notifier import SlackNotifier
@@ -245,3 +247,38 @@ def test_approve_in_slack_resumes_the_paused_run(
     second = client.post("/v1/slack/interactions", content=late, headers=signed(late))
     assert second.status_code == 200
     assert "was already approved by U0ALICE; your click changed nothing" in second.json()["text"]
+
+
+def test_a_storm_split_between_two_replicas_is_still_one_switch_incident(
+    store: Store, tmp_path: Path, live_dispatcher: Callable[..., LiveDispatcher]
+) -> None:
+    """A load balancer gives each replica a share of a switch's events. Each share is under the
+    storm rule (4 nodes, half the switch): alone, each replica would open node incidents for the
+    network's trouble; what the other replica holds is read from the store (BENCHMARKS.md, "At fleet
+    scale", burst (c))."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        (REPO_ROOT / "policies" / "default.yaml")
+        .read_text()
+        .replace("defaults:", "defaults:\n  storm_hold_seconds: 1", 1)
+    )
+    fleet = SimFleet.build(nodes=16, per_switch=8)
+    rt = configure(Runtime(store, registry.simulated(fleet)[0], policy))
+    replicas = [live_dispatcher(rt, Leases(store, f"host:replica-{r}:{r}")) for r in range(2)]
+    under_leaf_1 = [f"gpu-node-{n}" for n in range(1, 9)]
+    shares = [
+        [event(f"split-{node}", node, "nccl_timeout", switch="leaf-1", job="llm") for node in nodes]
+        for nodes in (under_leaf_1[:3], under_leaf_1[3:6])  # 3 of 8 each: 6 of 8 together
+    ]
+
+    async def arrive() -> None:
+        for replica, share in zip(replicas, shares, strict=True):
+            store.record_accepted(share)
+            await replica(share)
+        await asyncio.gather(*(replica.drain() for replica in replicas))
+
+    asyncio.run(arrive())
+    (incident,) = store.find_incidents()
+    assert (incident.scope, incident.node, incident.rule) == ("switch", "leaf-1", "network-switch-storm")
+    assert {e.id for e in store.incident_events(incident.id)} == {e.id for share in shares for e in share}
+    assert store.action_counts() == {}
