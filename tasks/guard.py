@@ -35,6 +35,7 @@ from uuid import UUID
 import httpx
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+from prefect.exceptions import ObjectAlreadyExists
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 
@@ -64,15 +65,21 @@ _inside: ContextVar[bool] = ContextVar("medic_inside_guarded", default=False)
 
 
 async def ensure_limits() -> None:
-    """Create the limit once per process and API (upsert: safe to race with other processes).
+    """Create the limit once per process and API.
 
-    Known by the configured URL (none: the process's embedded server), so that a containment or
-    a flow run that finds it made does not build a client to learn so."""
+    Prefect's upsert reads, then creates: replicas starting together on a fresh API both find no
+    limit, and the one that creates it second is refused (409). It then reads the one made, as its
+    first containment would otherwise fail. Known by the configured URL (none: the process's
+    embedded server), so that a containment or a flow run that finds it made does not build a
+    client to learn so."""
     key = str(PREFECT_API_URL.value())
     if key in _ensured:
         return
     async with get_client() as client:
-        await client.upsert_global_concurrency_limit_by_name(NODE_ACTIONS_LIMIT, 1)
+        try:
+            await client.upsert_global_concurrency_limit_by_name(NODE_ACTIONS_LIMIT, 1)
+        except ObjectAlreadyExists:
+            await client.upsert_global_concurrency_limit_by_name(NODE_ACTIONS_LIMIT, 1)
     _ensured.add(key)
 
 

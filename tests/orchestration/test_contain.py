@@ -15,6 +15,7 @@ import pytest
 from checkout import REPO_ROOT
 from factories import event_dict, fault_event
 from fastapi.testclient import TestClient
+from prefect.client.orchestration import get_client
 from waiting import until
 
 from medic.apps.server.app import create_app
@@ -28,10 +29,11 @@ from medic.policy import Action
 from medic.protocols import NodeState
 from medic.statuses import ActStatus, StepStatus
 from medic.store import Store
+from medic.tasks import guard
 from medic.tasks.act import act
 from medic.tasks.contain import contain
 from medic.tasks.evidence import evaluate
-from medic.tasks.guard import ensure_limits, node_actions_slot
+from medic.tasks.guard import NODE_ACTIONS_LIMIT, ensure_limits, node_actions_slot
 from medic.tasks.runtime import Runtime, configure
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -245,3 +247,21 @@ def test_an_escalation_that_drained_nothing_says_the_node_was_not_touched(
     record = runtime.store.get_incident(incident.id)
     assert record is not None and "node not touched" in (record.outcome or ""), record
     assert fleet.nodes["gpu-node-4"].state is NodeState.IDLE and runtime.store.held_nodes() == []
+
+
+def test_two_replicas_making_the_limit_at_once_both_have_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefect's upsert reads, then creates: two replicas starting together on a fresh API both
+    find no limit and both create it, and the second is refused (409). That must not fail the
+    first containment of the replica that lost the race."""
+
+    async def race() -> None:
+        async with get_client() as client:
+            await client.delete_global_concurrency_limit_by_name(NODE_ACTIONS_LIMIT)
+        monkeypatch.setattr(guard, "_ensured", set())
+        ensured = [ensure_limits(), ensure_limits()]
+        await asyncio.gather(*ensured)
+        async with get_client() as client:
+            made = await client.read_global_concurrency_limit_by_name(NODE_ACTIONS_LIMIT)
+        assert made.limit == 1
+
+    asyncio.run(race())
