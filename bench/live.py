@@ -21,6 +21,7 @@ with its own temporary home; a simulated fleet):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -44,6 +45,7 @@ from bench.prefect_server import prefect_on_postgres
 from bench.report import ms, num, table
 
 TOKEN = "bench-token"
+SHARED_DRAINS_ENV = "BENCH_SHARED_DRAINS"  # replicas' simulated schedulers share drains (SharedDrains)
 POSTGRES_ADMIN_URL = os.environ.get(
     "MEDIC_TEST_POSTGRES", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 )
@@ -69,10 +71,59 @@ def serve(port: int, nodes: int, per_switch: int, policy: Path) -> None:
     from medic.tasks.runtime import Runtime, configure
 
     backends, _ = registry.simulated(SimFleet.build(nodes=nodes, per_switch=per_switch))
-    rt = configure(Runtime(Store(os.environ["MEDIC_DATABASE_URL"]), backends, policy))
+    store = Store(os.environ["MEDIC_DATABASE_URL"])
+    if os.environ.get(SHARED_DRAINS_ENV):
+        backends = dataclasses.replace(backends, scheduler=SharedDrains(backends.scheduler, store))
+    rt = configure(Runtime(store, backends, policy))
     with LiveDispatcher(rt) as dispatcher:
         dispatcher.warm_up_in_background()
         run_server(port=port, on_accepted=dispatcher, log_level="warning", access_log=False)
+
+
+class SharedDrains:
+    """Replicas' simulated schedulers as one scheduler: a node another replica drained shows drained
+    here too, as it does in one real scheduler that every replica asks (Slurm). Each replica holds
+    its own simulated fleet; what the others drained is read from the store's record of their
+    drains (an intent or a success, not reintegrated since). Without it, a replica's guardrails
+    would see only its own drains, and two replicas would let out twice the limit between them."""
+
+    def __init__(self, scheduler: Any, store: Any) -> None:
+        self.scheduler, self.store = scheduler, store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
+
+    def nodes(self) -> list[Any]:
+        drained = self._drained()
+        return [self._over(n, drained) for n in self.scheduler.nodes()]
+
+    def node(self, name: str) -> Any:
+        return self._over(self.scheduler.node(name), self._drained({name}))
+
+    def _drained(self, nodes: set[str] | None = None) -> set[str]:
+        from sqlmodel import col, select
+
+        from medic.store.tables import ActionRecord
+
+        query = (
+            select(ActionRecord.node, ActionRecord.action)
+            .where(col(ActionRecord.action).in_(["drain", "reintegrate"]))
+            .where(col(ActionRecord.status).in_(["intent", "succeeded"]))
+            .order_by(col(ActionRecord.intent_at))
+        )
+        if nodes is not None:
+            query = query.where(col(ActionRecord.node).in_(sorted(nodes)))
+        with self.store.session() as s:
+            latest = dict(s.exec(query).all())
+        return {node for node, action in latest.items() if action == "drain"}
+
+    @staticmethod
+    def _over(info: Any, drained: set[str]) -> Any:
+        from medic.protocols import NodeState
+
+        if info.name not in drained or info.out_of_service:
+            return info
+        return dataclasses.replace(info, state=NodeState.DRAINED, reason="medic: drained by another replica")
 
 
 def _env(directory: Path, prefect_api: str | None) -> dict[str, str]:
