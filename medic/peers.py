@@ -100,6 +100,51 @@ class Verdict:
     peer_median_s: float
 
 
+def others_spread(values: Sequence[float]) -> list[tuple[float, float]]:
+    """For each value, the median of the others and their median absolute deviation from it: what
+    `statistics.median` gives on the list without that value, to the bit, in O(n log n) for them
+    all instead of O(n²). A 100,000-rank job is compared 100,000 times a step.
+
+    Leaving one value out of n sorted ones, the median of the rest is one of at most three values
+    (the left-out one below, at or above the middle); each has one sorted list of deviations, and
+    leaving one deviation out of that is the same arithmetic again."""
+    if len(values) < 2:
+        raise statistics.StatisticsError("no other value to compare with")
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ordered = [values[i] for i in order]
+    at = _positions(order)
+    medians = [_median_without(ordered, at[i]) for i in range(len(values))]
+    spread: list[float] = [0.0] * len(values)
+    for median in set(medians):
+        deviations = [abs(v - median) for v in values]
+        by_deviation = sorted(range(len(values)), key=deviations.__getitem__)
+        sorted_deviations = [deviations[i] for i in by_deviation]
+        where = _positions(by_deviation)
+        for i in (i for i, m in enumerate(medians) if m == median):
+            spread[i] = _median_without(sorted_deviations, where[i])
+    return list(zip(medians, spread, strict=True))
+
+
+def _positions(order: Sequence[int]) -> list[int]:
+    """Where each index landed in `order` (the inverse permutation)."""
+    where = [0] * len(order)
+    for position, index in enumerate(order):
+        where[index] = position
+    return where
+
+
+def _median_without(ordered: Sequence[float], skip: int) -> float:
+    """`statistics.median` of sorted `ordered` without the item at `skip`."""
+    n = len(ordered) - 1
+
+    def item(k: int) -> float:
+        return ordered[k if k < skip else k + 1]
+
+    if n % 2:
+        return item(n // 2)
+    return (item(n // 2 - 1) + item(n // 2)) / 2
+
+
 def judge(times: Mapping[int, Mapping[int, float]], thresholds: Thresholds) -> list[Verdict]:
     """The stragglers among the ranks, from {step: {rank: seconds}} where every step has every rank."""
     steps = sorted(times)
@@ -111,11 +156,9 @@ def judge(times: Mapping[int, Mapping[int, float]], thresholds: Thresholds) -> l
     peer_medians: dict[int, list[float]] = defaultdict(list)
     for step in steps:
         row = times[step]
-        for rank in ranks:
-            others = [row[r] for r in ranks if r != rank]
-            median = statistics.median(others)
-            mad = statistics.median(abs(t - median) for t in others) * MAD_SCALE
-            mine = row[rank]
+        values = [row[r] for r in ranks]
+        for rank, mine, (median, deviation) in zip(ranks, values, others_spread(values), strict=True):
+            mad = deviation * MAD_SCALE
             ratio = mine / median if median > 0 else 1.0
             ratios[rank].append(ratio)
             peer_medians[rank].append(median)
@@ -148,6 +191,7 @@ class _Job:
     world_size: int
     times: dict[int, dict[int, float]] = field(default_factory=lambda: defaultdict(dict))
     judged_through: int = -1  # the newest complete step a verdict has covered
+    dropped_incomplete: int = 0  # steps let go with ranks missing: reports that never came here
 
 
 class PeerDetector:
@@ -177,8 +221,18 @@ class PeerDetector:
             job.times[timings.first_step + offset][event.rank] = seconds
         # A rank that stopped reporting leaves every step incomplete: keep a bounded backlog.
         for step in sorted(job.times)[: -HELD_WINDOWS * self.thresholds.window_steps]:
-            del job.times[step]
+            job.dropped_incomplete += len(job.times.pop(step)) < job.world_size
         return self._judge(event.job, job, event.time)
+
+    def never_complete(self) -> list[tuple[str, int, int]]:
+        """Jobs never judged whose steps are let go with ranks missing, as (job, ranks in the newest
+        step, world size): some ranks' reports go elsewhere (another replica) or nowhere, and this
+        detector cannot name a straggler in them. Not "no straggler": nobody looked."""
+        return [
+            (name, len(job.times[max(job.times)]) if job.times else 0, job.world_size)
+            for name, job in self.jobs.items()
+            if job.dropped_incomplete and job.judged_through < 0
+        ]
 
     def _judge(self, name: str, job: _Job, now: datetime) -> list[FaultEvent]:
         complete = sorted(s for s, row in job.times.items() if len(row) == job.world_size)

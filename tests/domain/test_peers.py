@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import random
+import statistics
 from pathlib import Path
 
 import pytest
 from factories import fault_event
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from medic.culprit import differential
 from medic.events import EventKind, FaultEvent
 from medic.intake import read_lines
-from medic.peers import TIMINGS_CHECK, PeerDetector, Thresholds, detect, judge, timings_of
+from medic.peers import TIMINGS_CHECK, PeerDetector, Thresholds, detect, judge, others_spread, timings_of
 from medic.profiles import LOOKBACK
 from medic.training.medic_hooks import MedicHooks
 
@@ -265,3 +268,35 @@ def test_a_rank_that_stops_reporting_costs_bounded_memory() -> None:
         if event.rank != 0 or event.attributes["first_step"] <= 10:
             detector.push(event)
     assert len(detector.jobs[JOB].times) <= 4 * Thresholds().window_steps
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.sampled_from([1.0, 1.0, 2.5, 0.0]), st.floats(0, 100, allow_nan=False)),
+        min_size=2,
+        max_size=60,
+    )
+)
+def test_each_ranks_peers_spread_is_what_the_median_of_the_others_gives(values: list[float]) -> None:
+    """The O(n log n) comparison gives, to the bit, what the median of the others gives for each
+    value (ties and small jobs included: those are where leaving one out matters)."""
+    expected = []
+    for i in range(len(values)):
+        others = values[:i] + values[i + 1 :]
+        median = statistics.median(others)
+        expected.append((median, statistics.median(abs(t - median) for t in others)))
+    assert others_spread(values) == expected
+
+
+def test_a_job_whose_reports_are_split_elsewhere_is_said_to_be_unjudged() -> None:
+    """A load balancer that spreads a job's reports over replicas leaves each a share: no step
+    ever completes here, which is not "no straggler" and must be told apart from it."""
+    split, whole = PeerDetector(), PeerDetector()
+    events = reports(200, slow={5: 1.5})
+    for event in events:
+        whole.push(event)
+        if event.rank is not None and event.rank % 2 == 0:  # this replica's share
+            assert split.push(event) == []
+    assert split.never_complete() == [(JOB, WORLD // 2, WORLD)]
+    assert whole.never_complete() == []
