@@ -86,6 +86,7 @@ class LiveDispatcher:
         self._differing = threading.Lock()  # batches and the settle timer take turns in worker threads
         self._topology_until = 0.0
         self._settling = False
+        self._never_complete: set[str] = set()  # jobs warned about (_warn_never_complete)
         # Containment first: a burst's drains are the seconds that count, and every flow run
         # started beside them takes CPU from them (BENCHMARKS.md, "At fleet scale"). New flow runs
         # wait while any containment is pending; the containments go a few at a time, so the
@@ -197,9 +198,26 @@ class LiveDispatcher:
             settle = self.rt.policy().policy.defaults.stall_settle_seconds
             self.differential.hangs.stall_settle = timedelta(seconds=settle)
             out = self._stored(events, [out for event in events for out in self.differential.push(event)])
+            self._warn_never_complete()
             asks, ready = self.differential.pairs.take_asks(), self.differential.pairs.take_ready()
         write_asks(asks, self.rt.artifact_root)
         return out, ready
+
+    def _warn_never_complete(self) -> None:
+        """Say so, once per job, when a job's step timings never all reach this process: a load
+        balancer that spreads a job's reports over the replicas leaves each a share, and peer
+        comparison needs every rank's (route them by the hooks' X-Medic-Job header, docs/serve.md)."""
+        for job, seen, world in self.differential.peers.never_complete():
+            if job not in self._never_complete:
+                self._never_complete.add(job)
+                log.warning(
+                    "job %s: only %d of its %d ranks' step timings reach this process, so no "
+                    "straggler can be named in it; send a job's reports to one replica "
+                    "(route on the X-Medic-Job header)",
+                    job,
+                    seen,
+                    world,
+                )
 
     def _diff(self, traces: PairTraces) -> None:
         """Diff a pair's traces (seconds of CPU, outside the lock: intake goes on meanwhile)."""

@@ -58,6 +58,7 @@ SOURCE = "job"
 REPORTED_NOTE = "reported to GPU Medic as "  # marks an exception so watch() and the excepthook report it once
 TIMEOUT_WORDS = ("timeout", "timed out")
 MAX_TEXT = 200  # the schema's limit on id, source, node, job and switch
+JOB_HEADER = "X-Medic-Job"  # what a load balancer in front of replicas routes on (HttpSink)
 MAX_TIMINGS_EVERY = 400  # a report's two lists stay within the schema's 1000 attribute items
 
 
@@ -222,7 +223,9 @@ class HttpSink:
         return urllib.request.Request(
             self.url,
             data=(event.to_json() + "\n").encode(),
-            headers={"Content-Type": "application/x-ndjson"},
+            # A load balancer in front of several replicas routes on it: a job's peer comparison
+            # needs every rank's step timings in one replica (GPU Medic's docs/serve.md).
+            headers={"Content-Type": "application/x-ndjson"} | _routing(event.job),
             method="POST",
         )
 
@@ -235,6 +238,14 @@ class HttpSink:
                 response.read()
         except (urllib.error.URLError, OSError) as error:
             log.warning("could not deliver %s event %s to %s: %s", event.kind, event.id, self.url, error)
+
+
+def _routing(job: str | None) -> dict[str, str]:
+    """The job as a header, when it can be one (visible ASCII and spaces): a job name that cannot
+    is sent without it rather than failing the rank's request."""
+    if job and job.isascii() and job.isprintable():
+        return {JOB_HEADER: job}
+    return {}
 
 
 def make_sink(sink: Sink | Path | str) -> Sink:

@@ -168,10 +168,12 @@ def test_the_excepthook_reports_uncaught_errors_once(sink: Path, monkeypatch: py
 
 class _Recorder(BaseHTTPRequestHandler):
     received: list[tuple[str, str, bytes]] = []
+    routed: list[str | None] = []  # each request's X-Medic-Job
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["Content-Length"]))
         self.received.append((self.path, self.headers["Content-Type"], body))
+        self.routed.append(self.headers.get("X-Medic-Job"))
         self.send_response(202)
         self.end_headers()
 
@@ -185,6 +187,7 @@ def intake_url() -> Iterator[str]:
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     _Recorder.received.clear()
+    _Recorder.routed.clear()
     yield f"http://127.0.0.1:{server.server_port}/events"
     server.shutdown()
     server.server_close()
@@ -197,6 +200,14 @@ def test_the_http_sink_posts_one_json_line(intake_url: str) -> None:
     assert body.endswith(b"\n")
     assert body.decode() == event.to_json() + "\n"
     assert [FaultEvent.model_validate_json(body)] == domain([event])
+
+
+def test_the_http_sink_names_the_job_for_a_load_balancer_to_route_on(intake_url: str) -> None:
+    """Replicas behind a load balancer: a job's step timings must all reach one of them."""
+    hooks_for(intake_url).crash(2)
+    MedicHooks(job="llm\r\nX-Injected: 1", node=NODE, rank=RANK, sink=intake_url).crash(2)
+    assert _Recorder.routed == [JOB, None]  # a name no header can carry: sent, without it
+    assert len(_Recorder.received) == 2
 
 
 def test_an_unreachable_intake_does_not_stop_training(caplog: pytest.LogCaptureFixture) -> None:
