@@ -282,9 +282,14 @@ class LiveDispatcher:
             # Abandoned, not awaited, when the service stops: the events are stored already and the
             # next start takes them up again, while waiting here (on a Prefect API that is starting
             # or gone) would hold the shutdown past its 10 s.
-            incidents = await anyio.to_thread.run_sync(self._correlate, events, abandon_on_cancel=True)
-        for incident in incidents:
-            self._spawn(functools.partial(self._contain_then_start, incident))
+            incidents = await anyio.to_thread.run_sync(self._incidents, events, abandon_on_cancel=True)
+            # One at a time, those that take their node out first, each contained as soon as it is
+            # opened: a batch of many requests' events must not hold its first drain until every
+            # incident in it is open.
+            for incident in sorted(incidents, key=self.urgency):
+                mine = await anyio.to_thread.run_sync(self._open_one, incident, abandon_on_cancel=True)
+                if mine is not None:
+                    self._spawn(functools.partial(self._contain_then_start, mine))
 
     async def _contain_then_start(self, incident: Incident) -> None:
         """Drain the node first where the decision takes it out (tasks/contain.py), then start its
@@ -318,25 +323,32 @@ class LiveDispatcher:
 
     def _correlate(self, events: list[FaultEvent]) -> list[Incident]:
         """Open (or join) the incidents for these events; returns those this process now runs."""
+        opened = (self._open_one(incident) for incident in self._incidents(events))
+        return [incident for incident in opened if incident is not None]
+
+    def _incidents(self, events: list[FaultEvent]) -> list[Incident]:
+        """The incidents these events make, once those of a storm still going on joined it."""
         policy = self.rt.policy().policy
         window = timedelta(minutes=policy.defaults.incident_window_minutes)
         current = policy.storms()
         if any(current.counts(e) for e in events):
             current = storms(self.rt)  # the scheduler's switch sizes, asked only when they matter
-        fresh = self._join_storms(events, window, current)
-        mine = []
-        for incident in correlate(fresh, window, current):
-            row, opened = self.rt.store.open_or_join(
-                incident, runner=self.leases.runner, lease_s=self.leases.lease_s, window=window
-            )
-            if opened:
-                self.leases.hold(row.id)
-                prefect_events.incident_opened(incident)
-                mine.append(incident)
-            elif self.leases.claim(row.id):
-                # It joined an incident whose run died: new evidence never waits on a dead run.
-                mine.append(stored(row))
-        return mine
+        return correlate(self._join_storms(events, window, current), window, current)
+
+    def _open_one(self, incident: Incident) -> Incident | None:
+        """Open (or join) one incident; the incident when this process now runs it."""
+        window = timedelta(minutes=self.rt.policy().policy.defaults.incident_window_minutes)
+        row, opened = self.rt.store.open_or_join(
+            incident, runner=self.leases.runner, lease_s=self.leases.lease_s, window=window
+        )
+        if opened:
+            self.leases.hold(row.id)
+            prefect_events.incident_opened(incident)
+            return incident
+        if self.leases.claim(row.id):
+            # It joined an incident whose run died: new evidence never waits on a dead run.
+            return stored(row)
+        return None
 
     def _join_storms(self, events: list[FaultEvent], window: timedelta, current: Storms) -> list[FaultEvent]:
         """Attach a storm's events to its switch's incident while the storm goes on; return the rest."""
