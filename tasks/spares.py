@@ -18,10 +18,14 @@ def lend_spare(rt: Runtime, incident_id: str, node: str) -> str:
     if pool is None or rt.policy().policy.spares.nodes == 0:
         return ""
     key = f"{incident_id}:{node}:{LEND}"
-    row, claimed = rt.store.claim_action(key, incident_id, node, LEND)
+    # Lent for this incident already (the flow lends before its verification starts, the job's
+    # requeue asks again): what came of it; nothing after a run that died. Never a second one, not
+    # even after an empty pool: a failed claim may be taken again, and by then the repaired node
+    # may have refilled the pool and would be lent to the job it was taken off.
+    row, claimed = rt.store.get_action(key), False
+    if row is None:
+        row, claimed = rt.store.claim_action(key, incident_id, node, LEND)
     if not claimed:
-        # Lent for this incident already (the flow lends before its verification starts, the job's
-        # requeue asks again): what came of it; nothing after a run that died. Never a second one.
         return row.detail if row.status in (ActionStatus.SUCCEEDED, ActionStatus.FAILED) else ""
     try:
         lent = pool.lend()

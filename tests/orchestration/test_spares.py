@@ -25,6 +25,7 @@ from medic.integrations.sim.fleet import SimFleet, SimNode
 from medic.protocols import NodeState
 from medic.store import Store
 from medic.tasks.runtime import Runtime, configure
+from medic.tasks.spares import lend_spare
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -97,6 +98,21 @@ def test_an_empty_pool_says_so_and_the_repair_goes_on(runtime: Runtime, fleet: S
     assert "no spare lent: the pool is empty, so the job waits for a free node" in outcome.summary
     assert outcome.resumed is not None and sorted(outcome.resumed.nodes) == [OTHER, SPARE]  # free now
     assert pool.spare_nodes() == {BAD}  # the pool is short: the repaired node refills it
+
+
+def test_an_empty_pool_is_the_answer_for_the_incident_even_once_the_repaired_node_refills_it(
+    runtime: Runtime,
+) -> None:
+    """The job's requeue asks for the spare again after the flow asked: by then the repaired node may
+    be verified and in the pool, and must not be lent to the job it was taken off (a failed claim may
+    otherwise be taken again)."""
+    pool = runtime.backends.spare_pool
+    assert pool is not None and pool.lend() == SPARE
+    first = lend_spare(runtime, "inc-empty", BAD)
+    assert first == "no spare lent: the pool is empty, so the job waits for a free node"
+    pool.refill(BAD)  # verified meanwhile
+    assert lend_spare(runtime, "inc-empty", BAD) == first
+    assert pool.spare_nodes() == {BAD}
 
 
 def test_without_spares_in_the_policy_the_pool_is_left_alone(
