@@ -30,7 +30,8 @@ p99), the incidents and how many are still being handled then (the backlog), and
 resident memory.
 
 `python -m bench.fleet_burst [a NODES FATAL NONFATAL | b NODES FATAL [BREAKER_PERCENT] | c NODES
-SWITCHES] [--replicas N]` prints the burst's table.
+SWITCHES] [--replicas N] [--dispatch local|prefect]` prints the burst's table (`--dispatch prefect`:
+the scaled-out path, `medic serve --dispatch prefect` and a process worker; burst (a) only).
 """
 
 from __future__ import annotations
@@ -53,7 +54,16 @@ import httpx
 
 from bench import REPO_ROOT
 from bench.ingest import percentile
-from bench.live import POSTGRES_ADMIN_URL, SHARED_DRAINS_ENV, _epoch, _event, _Server
+from bench.live import (
+    POSTGRES_ADMIN_URL,
+    SERVE_PREFECT,
+    SHARED_DRAINS_ENV,
+    _env,
+    _epoch,
+    _event,
+    _Server,
+    process_worker,
+)
 from bench.prefect_server import fresh_database, prefect_on_postgres
 from bench.report import ms, num, table
 
@@ -190,7 +200,13 @@ class Fleet:
 
 
 @contextmanager
-def fleet(nodes: int, replicas: int, policy: Path = DEFAULT_POLICY) -> Iterator[Fleet]:
+def fleet(
+    nodes: int, replicas: int, policy: Path = DEFAULT_POLICY, dispatch: str = "local"
+) -> Iterator[Fleet]:
+    """`dispatch` "local": the replicas run flow runs in process (`bench.live serve`). "prefect": they
+    are `medic serve --dispatch prefect` (the service contains, the deployment's trigger starts each
+    flow run) and a process worker runs each in a fresh process; the service and each flow run hold
+    simulated fleets of their own, so drains are shared only through the store."""
     from medic.store import Store
 
     with ExitStack() as stack:
@@ -198,11 +214,25 @@ def fleet(nodes: int, replicas: int, policy: Path = DEFAULT_POLICY) -> Iterator[
         database = stack.enter_context(fresh_database(POSTGRES_ADMIN_URL))
         api = stack.enter_context(prefect_on_postgres(directory / "prefect-server"))
         env = {"MEDIC_DATABASE_URL": database, SHARED_DRAINS_ENV: "1"}
+        command = None
+        if dispatch == "prefect":
+            command = SERVE_PREFECT
+            env |= {
+                "MEDIC_BACKENDS": "sim",
+                "MEDIC_SIM_NODES": str(nodes),
+                "MEDIC_POLICY": str(policy),
+                "PREFECT_WORKER_QUERY_SECONDS": "1",
+            }
+            stack.enter_context(process_worker(directory, _env(directory, api) | env))
         servers = []
         for r in range(replicas):
             home = directory / f"replica-{r}"
             home.mkdir()
-            servers.append(stack.enter_context(_Server(home, nodes, PER_SWITCH, policy, api, extra_env=env)))
+            servers.append(
+                stack.enter_context(
+                    _Server(home, nodes, PER_SWITCH, policy, api, command=command, extra_env=env)
+                )
+            )
         store = Store(database)
         stack.callback(store.close)
         yield Fleet(servers, store, [_rss_mb(s.process.pid) for s in servers])
@@ -216,12 +246,14 @@ def _contain(drained: dict[str, float], posted: dict[str, float]) -> dict[str, f
     }
 
 
-def run(nodes: int, fatal: int, nonfatal: int, replicas: int = REPLICAS) -> dict[str, Any]:
+def run(
+    nodes: int, fatal: int, nonfatal: int, replicas: int = REPLICAS, dispatch: str = "local"
+) -> dict[str, Any]:
     """Burst (a): every fatal node drained, no other."""
     from medic.store.metrics import CONTAIN_STAGE
 
     events, fatal_nodes = burst_events(nodes, fatal, nonfatal)
-    with fleet(nodes, replicas) as f:
+    with fleet(nodes, replicas, dispatch=dispatch) as f:
         f.post(events)
         exact_at = f.until(lambda: set(f.drained()) >= fatal_nodes)
         drained = f.drained()
@@ -491,14 +523,17 @@ def render(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    replicas = REPLICAS
+    replicas, dispatch = REPLICAS, "local"
     if "--replicas" in argv:
         at = argv.index("--replicas")
         replicas, argv = int(argv[at + 1]), argv[:at] + argv[at + 2 :]
+    if "--dispatch" in argv:
+        at = argv.index("--dispatch")
+        dispatch, argv = argv[at + 1], argv[:at] + argv[at + 2 :]
     burst, numbers = (argv[0], [float(a) for a in argv[1:]]) if argv else ("a", [])
     if burst == "a":
         nodes, fatal, nonfatal = (int(n) for n in numbers or (NODES, FATAL, NONFATAL))
-        result = run(nodes, fatal, nonfatal, replicas)
+        result = run(nodes, fatal, nonfatal, replicas, dispatch)
     elif burst == "b":
         nodes, fatal = int(numbers[0]), int(numbers[1])
         result = run_fatal(nodes, fatal, numbers[2] if len(numbers) > 2 else 25, replicas)

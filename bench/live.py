@@ -241,6 +241,27 @@ def _trigger_latency(directory: Path, prefect_api: str, faults: int, spacing_s: 
         "MEDIC_POLICY": str(policy),
         "PREFECT_WORKER_QUERY_SECONDS": "1",
     }
+    with (
+        process_worker(directory, env),
+        _Server(directory, 8, 4, policy, prefect_api, command=SERVE_PREFECT, extra_env=env) as server,
+    ):
+        return _measure(server, faults, spacing_s)
+
+
+SERVE_PREFECT = [
+    str(Path(sys.executable).parent / "medic"),
+    "serve",
+    "--dispatch",
+    "prefect",
+    "--log-level",
+    "warning",
+]
+
+
+@contextmanager
+def process_worker(directory: Path, env: dict[str, str]) -> Iterator[None]:
+    """The `medic` process work pool, the repository's deployments, and a process worker on them
+    (each flow run a fresh process), on the Prefect API `env` names."""
     prefect = [sys.executable, "-m", "prefect"]
     for args in (["work-pool", "create", "medic", "--type", "process"], ["--no-prompt", "deploy", "--all"]):
         prefect_file = ["--prefect-file", "deployments/prefect.yaml"] if "deploy" in args else []
@@ -255,16 +276,7 @@ def _trigger_latency(directory: Path, prefect_api: str, faults: int, spacing_s: 
             stderr=output,
         )
     try:
-        medic = [
-            str(Path(sys.executable).parent / "medic"),
-            "serve",
-            "--dispatch",
-            "prefect",
-            "--log-level",
-            "warning",
-        ]
-        with _Server(directory, 8, 4, policy, prefect_api, command=medic, extra_env=env) as server:
-            return _measure(server, faults, spacing_s)
+        yield
     finally:
         worker.terminate()
         worker.wait(timeout=60)
