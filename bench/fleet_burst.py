@@ -316,8 +316,11 @@ def allowed_out(nodes: int, breaker_percent: float) -> tuple[int, bool]:
 
 
 def out_over_time(store: Any, since: datetime) -> list[tuple[float, int]]:
-    """(when, how many nodes out) after each of our drains and reintegrations since `since`: a
-    node is out from its drain's intent until its reintegration succeeds."""
+    """(when, how many nodes taken out) after each of our drains since `since`. It looks for
+    returns under the name `reintegrate`, which the store does not use (a node's return is
+    `resume`): so every drain counts to the end, and the figure is the nodes taken out in the burst,
+    not the most out at once. Counting returns is the next change: the simulated nodes come back
+    within seconds, and the tests' exact figures must then say which they pin."""
     from sqlmodel import col, select
 
     from medic.store.tables import ActionRecord
@@ -479,7 +482,7 @@ def render(result: dict[str, Any]) -> str:
     elif burst == "b":
         rows += [
             (
-                f"most nodes out at once (allowed: {result['allowed']}, by the "
+                f"nodes taken out, returns not subtracted (allowed: {result['allowed']}, by the "
                 + ("breaker" if result["breaker_binds"] else "out-of-service limit")
                 + ")",
                 str(result["peak_out"]),

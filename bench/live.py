@@ -84,7 +84,9 @@ class SharedDrains:
     """Replicas' simulated schedulers as one scheduler: a node another replica drained shows drained
     here too, as it does in one real scheduler that every replica asks (Slurm). Each replica holds
     its own simulated fleet; what the others drained is read from the store's record of their
-    drains (an intent or a success, not reintegrated since). Without it, a replica's guardrails
+    drains (an intent or a success). A node stays drained in the others' view once drained: the
+    bursts end before a node returns. (`Store.taken_out_since`, which also counts reboots and
+    failed intents, was tried instead: with it burst (b) drained 10 where its limit allows 15.) Without it, a replica's guardrails
     would see only its own drains, and two replicas would let out twice the limit between them."""
 
     def __init__(self, scheduler: Any, store: Any) -> None:
@@ -106,16 +108,14 @@ class SharedDrains:
         from medic.store.tables import ActionRecord
 
         query = (
-            select(ActionRecord.node, ActionRecord.action)
-            .where(col(ActionRecord.action).in_(["drain", "reintegrate"]))
+            select(ActionRecord.node)
+            .where(ActionRecord.action == "drain")
             .where(col(ActionRecord.status).in_(["intent", "succeeded"]))
-            .order_by(col(ActionRecord.intent_at))
         )
         if nodes is not None:
             query = query.where(col(ActionRecord.node).in_(sorted(nodes)))
         with self.store.session() as s:
-            latest = dict(s.exec(query).all())
-        return {node for node, action in latest.items() if action == "drain"}
+            return set(s.exec(query).all())
 
     @staticmethod
     def _over(info: Any, drained: set[str]) -> Any:

@@ -33,20 +33,15 @@ import concurrent.futures
 import json
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
-from bench import REPO_ROOT
-from bench.fleet_burst import _rss_mb
+from bench.fleet_burst import _rss_mb, fleet
 from bench.ingest import _cpu_seconds, percentile
-from bench.live import POSTGRES_ADMIN_URL, SHARED_DRAINS_ENV, TOKEN, _epoch, _event, _Server
-from bench.prefect_server import fresh_database, prefect_on_postgres
+from bench.live import TOKEN, _epoch, _event, _Server
 from bench.report import ms, num, table
 
 EVERY = 10  # steps a report covers: the hooks' timings_every
@@ -181,36 +176,14 @@ def run(
     route: str = "job",
     jobs: int = 1,
 ) -> dict[str, Any]:
-    from medic.store import Store
     from medic.store.tables import EventRecord
 
     rounds = max(1, round(rate * seconds / ranks))
     job_nodes = -(-ranks // GPUS)
     probes = [f"gpu-node-{job_nodes + 1 + i}" for i in range(PROBE_NODES)]
     start = datetime.now(UTC) - timedelta(seconds=rounds * EVERY * STEP_S)
-    policy = REPO_ROOT / "policies" / "default.yaml"
-    with ExitStack() as stack:
-        directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="medic-telemetry-")))
-        database = stack.enter_context(fresh_database(POSTGRES_ADMIN_URL))
-        api = stack.enter_context(prefect_on_postgres(directory / "prefect-server"))
-        servers = []
-        for r in range(replicas):
-            home = directory / f"replica-{r}"
-            home.mkdir()
-            servers.append(
-                stack.enter_context(
-                    _Server(
-                        home,
-                        job_nodes + PROBE_NODES,
-                        16,
-                        policy,
-                        api,
-                        extra_env={"MEDIC_DATABASE_URL": database, SHARED_DRAINS_ENV: "1"},
-                    )
-                )
-            )
-        store = Store(database)
-        stack.callback(store.close)
+    with fleet(job_nodes + PROBE_NODES, replicas) as f:
+        servers, store = f.servers, f.store
         host = servers[0].url.removeprefix("http://")
         requests = [
             (

@@ -38,7 +38,8 @@ def test_a_fatal_burst_over_the_limits_takes_out_exactly_what_they_allow(
     result = run_fatal(nodes=300, fatal=40, breaker_percent=breaker_percent, replicas=2)
     assert result["stored"] == result["acknowledged"] == 40
     assert result["all_decided_s"] is not None  # every incident decided: no drain can still come
-    # The level is reached, never passed, between the two replicas; only fatal nodes go out.
+    # The level is reached, never passed, between the two replicas (drains counted, not returns:
+    # bench.fleet_burst.out_over_time); only fatal nodes go out.
     assert (result["allowed"], result["peak_out"], result["wrongly_drained"]) == (allowed, allowed, [])
     assert result["stopped_by_guardrail"].get(guardrail, 0) > 0  # named in the decisions it stopped
     if guardrail == "circuit_breaker":  # it opens at its level and holds: nothing drained after it
