@@ -142,7 +142,7 @@ def kills_section(r: KillStorm) -> str:
         ("incidents", f"{len(r.incidents)} ({summarize(r.incidents)})"),
         ("incidents stuck open/remediating/waiting after settling", len(stuck)),
         ("incidents neither closed nor escalated", len(unfinished)),
-        ("events in no incident", r.unattached),
+        ("events in no incident", len(r.unattached)),
         ("nodes taken out / left out without an escalated incident", f"{len(r.taken_out)} / {len(behind)}"),
         (
             "reboot/reset/replace rows in the store / reboots Slurm carried out",

@@ -61,6 +61,7 @@ from sqlalchemy.engine import Engine
 
 from bench.prefect_server import fresh_database as bench_database
 from medic.policy import load_policy
+from medic.store.events import NO_INCIDENT_KINDS
 from medic.store.migrate import VERSION_TABLE
 
 T = TypeVar("T")
@@ -217,8 +218,17 @@ class StoreView:
         }
 
     def unattached_events(self) -> int:
-        """Stored events in no incident: accepted, never handed on to remediation."""
-        return int(self._rows("SELECT count(*) FROM events WHERE incident_id IS NULL")[0][0])
+        """Stored events in no incident that belong in one: accepted, never handed on to remediation
+        (what people did to a node, and a node's history, are no incident's: `NO_INCIDENT_KINDS`)."""
+        return len(self.unattached())
+
+    def unattached(self, *, every_kind: bool = False) -> list[str]:
+        """Those events (or, with `every_kind`, every event in no incident): id, kind, node and when
+        each was received, for a failure's message."""
+        kinds = ", ".join(f"'{k}'" for k in NO_INCIDENT_KINDS)  # the store's own constants, not input
+        where = "" if every_kind else f"AND kind NOT IN ({kinds})"
+        sql = f"SELECT id, kind, node, received_at FROM events WHERE incident_id IS NULL {where} ORDER BY received_at"
+        return [f"{i} ({k}) on {n}, received {at:%H:%M:%S.%f}" for i, k, n, at in self._rows(sql)]
 
     def _select(self, row: type[R], table: str, order: str, node: str | None) -> list[R]:
         where = "WHERE node = :node" if node else ""
@@ -717,7 +727,7 @@ class Harness:
         out = {n: s for n, s in self.slurm.states().items() if s != "idle"}
         return (
             f"incidents: {summarize(incidents)}; still active: {active[:12]}; "
-            f"events in no incident: {self.store.unattached_events()}; Slurm nodes not idle: {out or 'none'}; "
+            f"events in no incident: {self.store.unattached(every_kind=True)[:8]}; Slurm nodes not idle: {out or 'none'}; "
             f"{NODE_ACTIONS_LIMIT} slots taken: {self.slot_taken()}"
         )
 
@@ -951,7 +961,7 @@ class KillStorm:
     settle_s: float | None  # from the last restart until everything finished; None: it never did
     settle_problem: str | None
     incidents: list[IncidentRow]
-    unattached: int
+    unattached: list[str]  # events in no incident that belong in one (Store.unattached)
     untruthful: list[str]  # outcomes saying "not touched" of a node their incident acted on
     taken_out: set[str]  # nodes Slurm showed out of service at some point, or the store says we acted on
     final_states: dict[str, str]
@@ -1047,7 +1057,7 @@ def kill_storm(
         settle_s=took,
         settle_problem=problem,
         incidents=incidents,
-        unattached=h.store.unattached_events(),
+        unattached=h.store.unattached(),
         untruthful=h.store.untruthful_outcomes(),
         taken_out=sampler.ever_out | {a.node for a in actions if a.action in (*DESTRUCTIVE, "drain")},
         final_states=h.slurm.states(),

@@ -329,6 +329,7 @@ def create_app(
 
 
 RELAY_BATCH = 1000  # events handed on in one call at most, as many requests' batches as are waiting
+HAND_ON_RETRY_S = (0.5, 2.0, 8.0)  # the waits before each new try of a batch whose hand-on failed
 
 
 class _Relay:
@@ -363,10 +364,30 @@ class _Relay:
             self.finished.set()
 
     async def _hand_on(self, events: list[FaultEvent]) -> None:
-        try:
-            await self.on_accepted(events)
-        except Exception:  # the events stay stored; the next batch must still be handed on
-            log.exception("on_accepted failed for %d events", len(events))
+        """Hand a batch on; one that fails is tried again after each of `HAND_ON_RETRY_S` (the next
+        batches wait: they go on in order). The hook is idempotent, so a retry of what half
+        succeeded only finishes it. One that still fails stays stored, for the next start's backlog,
+        and the next batch goes on: one batch the hook cannot take must not stop the rest."""
+        for wait_s in (*HAND_ON_RETRY_S, None):
+            try:
+                await self.on_accepted(events)
+                return
+            except Exception:
+                if wait_s is None:
+                    log.exception(
+                        "on_accepted failed for %d events, %d times; they stay stored and the next "
+                        "start hands them on",
+                        len(events),
+                        len(HAND_ON_RETRY_S) + 1,
+                    )
+                    return
+                # A store or Prefect API that failed one call under load (a pool that timed out, a
+                # connection reset) mostly answers the next: without a retry the batch waited for a
+                # restart that may never come.
+                log.warning(
+                    "on_accepted failed for %d events; again in %g s", len(events), wait_s, exc_info=True
+                )
+                await anyio.sleep(wait_s)
 
 
 def _refuse_encoded(request: Request) -> None:

@@ -24,6 +24,9 @@ from medic.store.tables import EventRecord
 
 # Actions that count as a remediation in a node's history (drains and resumes do not).
 NODE_REMEDIATIONS = frozenset({"reset_gpu", "reboot", "replace"})
+# Kinds stored as evidence that no incident ever holds: a node's remediation history, and what people
+# (or the scheduler) did to a node (docs/decisions/0019). Never handed on, never waited for.
+NO_INCIDENT_KINDS = ("remediation", "node_state")
 
 
 class EventsMixin(StoreBase):
@@ -111,7 +114,7 @@ class EventsMixin(StoreBase):
         query = (
             select(EventRecord)
             .where(col(EventRecord.incident_id).is_(None))
-            .where(col(EventRecord.kind).not_in(["remediation", "node_state"]))
+            .where(col(EventRecord.kind).not_in(NO_INCIDENT_KINDS))
             .order_by(col(EventRecord.time), col(EventRecord.id))
         )
         with self.session() as s:

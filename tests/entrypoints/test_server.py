@@ -29,6 +29,7 @@ from serve_process import TOKEN, free_port, server_process
 from sqlalchemy import create_engine, exc, text, update
 from typer.testing import CliRunner
 
+from medic.apps.server import app as server_app
 from medic.apps.server.app import MAX_BODY_BYTES, create_app
 from medic.apps.server.auth import sign
 from medic.apps.server.emit import parse_attribute
@@ -684,22 +685,48 @@ async def test_metrics_in_openmetrics_when_asked(sqlite_store: Store) -> None:
 # --- handing accepted events on --------------------------------------------------------------
 
 
+@pytest.fixture
+def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server_app, "HAND_ON_RETRY_S", (0.01, 0.01, 0.01))
+
+
 @pytest.mark.anyio
-async def test_on_accepted_gets_each_new_batch_in_order_even_after_a_failure(sqlite_store: Store) -> None:
+async def test_a_failed_hand_on_is_tried_again_before_the_next_batch(
+    sqlite_store: Store, quick_retries: None
+) -> None:
     handed: list[list[str]] = []
 
     async def on_accepted(events: list[FaultEvent]) -> None:
         handed.append([e.id for e in events])
         if len(handed) == 1:
-            raise RuntimeError("the dispatcher fell over")
+            raise RuntimeError("the store's pool timed out")
+        sqlite_store.attach_events([incident(*events, id=f"inc-{events[0].id}", node="gpu-017")])
 
     async with serving(make_app(sqlite_store, on_accepted=on_accepted)) as client:
         await client.post("/v1/events", json=[ev("a"), ev("b")], headers=BEARER)
         await client.post("/v1/events", json=[ev("a")], headers=BEARER)  # nothing new: nothing handed on
         await client.post("/v1/events", content=lines(ev("c"), "junk"), headers=NDJSON)
     # Leaving the lifespan waits until everything queued was handed on.
-    assert handed == [["a", "b"], ["c"]]
-    # A failed hand-on loses nothing: the events stay stored, waiting for an incident.
+    assert handed == [["a", "b"], ["a", "b"], ["c"]]
+    assert sqlite_store.undispatched_events() == []  # nothing waits for a restart
+
+
+@pytest.mark.anyio
+async def test_a_batch_the_hook_never_takes_stays_stored_and_the_next_goes_on(
+    sqlite_store: Store, quick_retries: None
+) -> None:
+    handed: list[list[str]] = []
+
+    async def on_accepted(events: list[FaultEvent]) -> None:
+        handed.append([e.id for e in events])
+        if "a" in handed[-1]:
+            raise RuntimeError("the dispatcher fell over")
+
+    async with serving(make_app(sqlite_store, on_accepted=on_accepted)) as client:
+        await client.post("/v1/events", json=[ev("a"), ev("b")], headers=BEARER)
+        await client.post("/v1/events", json=[ev("c")], headers=BEARER)
+    assert handed == [["a", "b"]] * (len(server_app.HAND_ON_RETRY_S) + 1) + [["c"]]
+    # A failed hand-on loses nothing: the events stay stored, for the next start's backlog.
     assert {e.id for e in sqlite_store.undispatched_events()} == {"a", "b", "c"}
 
 
