@@ -23,12 +23,18 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 
 from medic.events import FaultEvent
-from medic.hangs import SETTLE, HangAttributor
+from medic.hangs import SETTLE, STALL_CHECK, HangAttributor
 from medic.pair_profiles import PairProfiles
-from medic.peers import Member, PeerDetector, Thresholds, timings_of
-from medic.profiles import Profiles, is_profile
+from medic.peers import TIMINGS_CHECK, Member, PeerDetector, Thresholds, timings_of
+from medic.profiles import PROFILE_CHECK, Profiles, is_profile
 from medic.topology import Topology
 from medic.victims import Victims, is_peer_loss
+
+# The `health_check` reports read here and never handed on: a job's live signals, sent again every
+# window (step timings), every stall-watch period (stalls) or when asked (profiles). Stored as they
+# came, they are in no incident; one read back after a restart is stale, and a job reporting for a
+# day leaves millions of them (Store.undispatched_events leaves them out).
+LIVE_REPORTS = frozenset({TIMINGS_CHECK, STALL_CHECK, PROFILE_CHECK})
 
 
 class Differential:

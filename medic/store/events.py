@@ -10,12 +10,13 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import insert, or_, update
+from sqlalchemy import func, insert, or_, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import col, select
 
 from medic.context import Around
-from medic.events import FaultEvent
+from medic.culprit import LIVE_REPORTS
+from medic.events import EventKind, FaultEvent
 from medic.incidents import Incident
 from medic.store.actions import succeeded_actions
 from medic.store.engine import StoreBase, utcnow
@@ -109,12 +110,19 @@ class EventsMixin(StoreBase):
         return changed
 
     def undispatched_events(self) -> list[FaultEvent]:
-        """Accepted events no incident holds yet, oldest first; a node's remediation history and what people
-        did to it (`node_state`) are no incident's and are left out."""
+        """Accepted events no incident holds yet, oldest first: what a start hands on again. A node's
+        remediation history and what people did to it (`node_state`) are no incident's and are left
+        out; so are a job's live reports (`LIVE_REPORTS`), which no incident holds either: the
+        differential reads them as they come, and the next window's take the place of those a
+        restart found."""
+        check = func.coalesce(col(EventRecord.attributes)["check"].as_string(), "")
         query = (
             select(EventRecord)
             .where(col(EventRecord.incident_id).is_(None))
             .where(col(EventRecord.kind).not_in(NO_INCIDENT_KINDS))
+            .where(
+                or_(col(EventRecord.kind) != EventKind.HEALTH_CHECK.value, check.not_in(sorted(LIVE_REPORTS)))
+            )
             .order_by(col(EventRecord.time), col(EventRecord.id))
         )
         with self.session() as s:

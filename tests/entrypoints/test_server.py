@@ -833,6 +833,30 @@ def test_attach_events_and_what_is_left_undispatched(store: Store) -> None:
     assert [e.id for e in store.undispatched_events()] == ["y"]
 
 
+def test_a_jobs_live_reports_are_not_handed_on_again_at_a_start(store: Store) -> None:
+    """Step timings, stall and profile reports are read as they come and held by no incident: a start
+    would read back every one a job ever sent (millions in a day) and feed stale ones to the detector."""
+    job = {"job": "train-1", "rank": 3}
+    store.record_accepted(
+        [
+            fault_event(
+                "health_check",
+                id="timings",
+                attributes={"check": "step_timings", "steps": [10, 11], "seconds": [0.5, 0.5]},
+                **job,
+            ),
+            fault_event("health_check", id="stall", check="stall", minutes=1, **job),
+            fault_event("health_check", id="profile", check="profile", minutes=2, **job),
+            fault_event(
+                "health_check", id="dcgm", minutes=3, attributes={"check": "dcgm_l1", "passed": False}
+            ),
+            fault_event("health_check", id="unnamed", minutes=4, attributes={"passed": False}),
+            fault("xid", 5),
+        ]
+    )
+    assert [e.id for e in store.undispatched_events()] == ["dcgm", "unnamed", "xid"]
+
+
 def test_ping_and_the_counts_for_metrics(store: Store) -> None:
     store.ping()
     assert store.open_incident_count() == 0 and store.action_counts() == {}
