@@ -235,6 +235,9 @@ class LiveDispatcher:
     def _stored(self, given: list[FaultEvent], out: list[FaultEvent]) -> list[FaultEvent]:
         given_ids = {e.id for e in given}
         self.rt.store.record_accepted(e for e in out if e.id not in given_ids)  # derived: a culprit
+        # What the differential absorbed as evidence is in no incident: marked, a start does not hand
+        # it on again (the culprit it was absorbed into is stored above, before it is named).
+        self.rt.store.mark_explained(self.differential.take_explained())
         return out
 
     def _settle_later(self) -> None:

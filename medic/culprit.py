@@ -90,6 +90,14 @@ class Differential:
         """Everything still held: the end of a file."""
         return [self.topology.place(e) for e in self._seen(self.hangs.flush()) + self.victims.flush()]
 
+    def take_explained(self) -> list[tuple[str, str]]:
+        """The events absorbed as another's evidence since the last call, each as (its id, the id of
+        the event that explains it): a victim's crash and its peer's fault, a hang's timeouts and
+        their culprit. No incident holds them; the caller marks them (`Store.mark_explained`)."""
+        taken = self.victims.explained + self.hangs.explained
+        self.victims.explained, self.hangs.explained = [], []
+        return taken
+
     def next_due(self) -> datetime | None:
         """When the next held report settles, if any is held."""
         return min(filter(None, (self.hangs.next_due(), self.victims.next_due())), default=None)

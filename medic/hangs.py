@@ -205,6 +205,9 @@ class HangAttributor:
         self.stall_settle = stall_settle
         self.pending: dict[str, _Pending] = {}
         self.stalls: dict[tuple[str, int], tuple[FaultEvent, TimeoutReport]] = {}
+        # (a reporter's timeout id, its culprit's event id) for the timeouts absorbed as evidence,
+        # since the caller last took them.
+        self.explained: list[tuple[str, str]] = []
 
     def takes(self, event: FaultEvent) -> bool:
         """A timeout that says where its rank was; any other is handed on as it came, unheld."""
@@ -280,7 +283,9 @@ class HangAttributor:
             return events
         ahead = max(positions.values())
         stalled = {rank: event for rank, (event, _) in stalls.items()}
-        return [self._event(job, c, events, ahead, stalled.get(c.rank)) for c in culprits]
+        named = [self._event(job, c, events, ahead, stalled.get(c.rank)) for c in culprits]
+        self.explained.extend((event.id, named[0].id) for event in events)
+        return named
 
     def _from_stalls(self, job: str, since: datetime) -> list[FaultEvent]:
         """The culprits among ranks stalled at different positions since `since`, before any timeout.

@@ -8,9 +8,10 @@ nothing wrong. Each such crash would open an incident (an application fault) on 
 So a `job_crash` whose message says its peer went away is held for `settle` (the other ranks' own
 reports, the node agent's XIDs, arrive within seconds). It is a **victim** when some other node of
 its job (known from the ranks' earlier reports) has a fault of its own within `settle` of it: then it
-is kept as evidence (stored like every event) and opens nothing. When nothing else explains it (the
-peer's node went silent, or no other rank of the job is known), it goes on as it came: a state we
-cannot explain is never taken for a healthy node.
+is kept as evidence and opens nothing. It is stored like every event, and paired with that fault in
+`explained`, for the store to mark it explained: a start hands on no explained event again. When
+nothing else explains it (the peer's node went silent, or no other rank of the job is known), it
+goes on as it came: a state we cannot explain is never taken for a healthy node.
 
 The phrases are gloo's, recorded from a real run (tests/fixtures/hangs/README.md). NCCL reports a
 lost peer as a collective timeout or an aborted communicator, which the hang attribution reads.
@@ -51,29 +52,43 @@ class Victims:
     members: Mapping[tuple[str, int], Member]
     settle: timedelta = SETTLE
     held: list[FaultEvent] = field(default_factory=list)
-    # (time, node) of every other fault that came through: what may explain a victim.
-    faults: deque[tuple[datetime, str]] = field(default_factory=lambda: deque(maxlen=RECENT))
+    # (time, node, id) of every other fault that came through: what may explain a victim.
+    faults: deque[tuple[datetime, str, str]] = field(default_factory=lambda: deque(maxlen=RECENT))
+    # (victim's id, the id of the fault that explains it), since the caller last took them.
+    explained: list[tuple[str, str]] = field(default_factory=list)
 
     def hold(self, event: FaultEvent) -> None:
         self.held.append(event)
 
     def saw(self, event: FaultEvent) -> None:
         """A fault that went on to correlation: it may be the peer's own."""
-        self.faults.append((event.time, event.node))
+        self.faults.append((event.time, event.node, event.id))
 
     def due(self, now: datetime) -> list[FaultEvent]:
         """The victims whose settling time has passed by `now` that nothing explained."""
         settled = [e for e in self.held if now >= e.time + self.settle]
         self.held = [e for e in self.held if now < e.time + self.settle]
-        return [e for e in settled if not self._explained(e)]
+        return self._unexplained(settled)
 
     def flush(self) -> list[FaultEvent]:
         held, self.held = self.held, []
-        return [e for e in held if not self._explained(e)]
+        return self._unexplained(held)
 
     def next_due(self) -> datetime | None:
         return min((e.time + self.settle for e in self.held), default=None)
 
-    def _explained(self, victim: FaultEvent) -> bool:
+    def _unexplained(self, settled: list[FaultEvent]) -> list[FaultEvent]:
+        out = []
+        for victim in settled:
+            by = self._explainer(victim)
+            if by is None:
+                out.append(victim)
+            else:
+                self.explained.append((victim.id, by))
+        return out
+
+    def _explainer(self, victim: FaultEvent) -> str | None:
         peers = {m.node for (job, _), m in self.members.items() if job == victim.job} - {victim.node}
-        return any(node in peers and abs(at - victim.time) <= self.settle for at, node in self.faults)
+        return next(
+            (i for at, node, i in self.faults if node in peers and abs(at - victim.time) <= self.settle), None
+        )

@@ -219,14 +219,15 @@ class StoreView:
 
     def unattached_events(self) -> int:
         """Stored events in no incident that belong in one: accepted, never handed on to remediation
-        (what people did to a node, and a node's history, are no incident's: `NO_INCIDENT_KINDS`)."""
+        (what people did to a node, and a node's history, are no incident's: `NO_INCIDENT_KINDS`; nor
+        is another event's evidence, `explained_by`)."""
         return len(self.unattached())
 
     def unattached(self, *, every_kind: bool = False) -> list[str]:
         """Those events (or, with `every_kind`, every event in no incident): id, kind, node and when
         each was received, for a failure's message."""
         kinds = ", ".join(f"'{k}'" for k in NO_INCIDENT_KINDS)  # the store's own constants, not input
-        where = "" if every_kind else f"AND kind NOT IN ({kinds})"
+        where = "" if every_kind else f"AND kind NOT IN ({kinds}) AND explained_by IS NULL"
         sql = f"SELECT id, kind, node, received_at FROM events WHERE incident_id IS NULL {where} ORDER BY received_at"
         return [f"{i} ({k}) on {n}, received {at:%H:%M:%S.%f}" for i, k, n, at in self._rows(sql)]
 

@@ -114,11 +114,12 @@ class EventsMixin(StoreBase):
         remediation history and what people did to it (`node_state`) are no incident's and are left
         out; so are a job's live reports (`LIVE_REPORTS`), which no incident holds either: the
         differential reads them as they come, and the next window's take the place of those a
-        restart found."""
+        restart found; and the events it absorbed as another's evidence (`mark_explained`)."""
         check = func.coalesce(col(EventRecord.attributes)["check"].as_string(), "")
         query = (
             select(EventRecord)
             .where(col(EventRecord.incident_id).is_(None))
+            .where(col(EventRecord.explained_by).is_(None))
             .where(col(EventRecord.kind).not_in(NO_INCIDENT_KINDS))
             .where(
                 or_(col(EventRecord.kind) != EventKind.HEALTH_CHECK.value, check.not_in(sorted(LIVE_REPORTS)))
@@ -127,6 +128,28 @@ class EventsMixin(StoreBase):
         )
         with self.session() as s:
             return [_event_of(r) for r in s.exec(query)]
+
+    def mark_explained(self, pairs: Iterable[tuple[str, str]]) -> int:
+        """Mark events absorbed as another's evidence, each (its id, the id of the event that
+        explains it), where no incident holds them and nothing explained them before; returns the rows
+        changed. Handed on again after a restart, a victim's crash would find nothing to explain it
+        (that fault is in its incident by then) and open an incident on a healthy node."""
+        pairs = list(pairs)
+        if not pairs:  # the common case, on every batch the warm path takes
+            return 0
+        changed = 0
+        with self.session() as s:
+            for event_id, by in pairs:
+                query = (
+                    update(EventRecord)
+                    .where(col(EventRecord.id) == event_id)
+                    .where(col(EventRecord.incident_id).is_(None))
+                    .where(col(EventRecord.explained_by).is_(None))
+                    .values(explained_by=by)
+                )
+                changed += len(audited(s, query))
+            s.commit()
+        return changed
 
     def unassigned_on_switch(self, switch: str, kinds: Iterable[str], since: datetime) -> list[FaultEvent]:
         """Events of these kinds under `switch`, since `since`, that no incident holds yet, oldest
@@ -200,7 +223,7 @@ class EventsMixin(StoreBase):
 
 def _event_of(row: EventRecord) -> FaultEvent:
     return FaultEvent.model_validate(
-        row.model_dump(exclude={"received_at", "incident_id"}, exclude_none=True)
+        row.model_dump(exclude={"received_at", "incident_id", "explained_by"}, exclude_none=True)
     )
 
 

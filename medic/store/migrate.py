@@ -30,11 +30,11 @@ VERSION_TABLE = "medic_alembic_version"
 # The newest revision in migrations/versions/ (tests/domain/test_store_migrations.py holds the two equal).
 # Named here, a store already at it opens without loading alembic: a quarter of a second of every
 # `medic` command's start.
-HEAD = "0004"
+HEAD = "0005"
 # The store schema each release writes, as CHANGELOG.md says it: a release that adds a migration names
 # its new head here (tests/entrypoints/test_packaging.py fails until this release's entry is HEAD). An operator
 # upgrading reads here which releases can share a store.
-SCHEMA_OF_RELEASE = {"0.1.0": "0002", "0.2.0": "0002", "0.3.0": "0004"}
+SCHEMA_OF_RELEASE = {"0.1.0": "0002", "0.2.0": "0002", "0.3.0": "0005"}
 # Any fixed 64-bit number: the key of the advisory lock GPU Medic's processes migrate under.
 _SCHEMA_LOCK_KEY = 0x6D65646963  # "medic"
 # A migration of a large store may take minutes; the processes that start meanwhile wait for it.

@@ -37,6 +37,9 @@ class EventRecord(SQLModel, table=True):
     switch: str | None = None
     attributes: dict[str, Any] | None = _json()
     incident_id: str | None = Field(default=None, index=True)
+    # The event this one is evidence of, where the differential absorbed it (a victim's crash, a
+    # hang's timeouts: medic/culprit.py): in no incident, and handed on no more (revision 0005).
+    explained_by: str | None = None
 
 
 class RejectedRecord(SQLModel, table=True):

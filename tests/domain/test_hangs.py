@@ -13,6 +13,7 @@ import pytest
 import torch._C._distributed_c10d as c10d
 from checkout import REPO_ROOT
 from factories import T0, fault_event
+from sqlmodel import select
 
 from medic.culprit import Differential, differential
 from medic.events import EventKind, FaultEvent
@@ -21,6 +22,7 @@ from medic.hangs import attribute, flight_recorder_position
 from medic.integrations.registry import Backends
 from medic.peers import TIMINGS_CHECK
 from medic.store import Store
+from medic.store.tables import EventRecord
 from medic.tasks.runtime import Runtime, configure
 from medic.training.medic_hooks import MedicHooks
 
@@ -68,6 +70,19 @@ def test_the_silent_rank_is_the_culprit_and_the_reporters_its_victims() -> None:
     assert [v["event"] for v in attributes["victims"]] == [e.id for e in reporters]
     assert attributes["confidence"] == 0.6  # 0.8 x 3 of 4 ranks reported
     assert culprit.iteration == 11 and culprit.time == reporters[-1].time
+
+
+def test_the_reporters_timeouts_are_explained_by_their_culprit_and_nothing_else_is() -> None:
+    """Absorbed, they are in no incident: the pairs let the store mark them, so that a restart does
+    not hand them on again, with no culprit to absorb them, as a timeout on every victim's node."""
+    diff = Differential()
+    reporters = [timeout(rank, 12, seconds=60 + rank) for rank in (0, 1, 2)]
+    [culprit] = [out for event in [*members(), *reporters] for out in diff.push(event)] + diff.flush()
+    assert diff.take_explained() == [(r.id, culprit.id) for r in reporters]
+    assert diff.take_explained() == []  # taken once
+    stuck = [timeout(rank, 12) for rank in range(WORLD)]  # no rank to blame: each goes on, unexplained
+    assert [out for event in stuck for out in diff.push(event)] + diff.flush() == stuck
+    assert diff.take_explained() == []
 
 
 def test_a_rank_behind_the_others_is_the_culprit_even_when_it_reported() -> None:
@@ -472,6 +487,12 @@ def test_the_live_path_stores_and_hands_on_the_culprit_once_the_reports_settle(
         "leaf-1",
     )  # placed from the fleet
     assert rt.store.known_event_ids([culprit.id]) == {culprit.id}  # stored before it is correlated
+    # The victims' timeouts are its evidence, and the ranks' step timings live reports: a start
+    # hands on none of them again.
+    assert {e.id for e in rt.store.undispatched_events()}.isdisjoint(e.id for e in [*known, *reports])
+    with sqlite_store.session() as s:
+        explained = dict(s.exec(select(EventRecord.id, EventRecord.explained_by)).all())
+    assert [explained[r.id] for r in reports] == [culprit.id] * 3
 
 
 def test_the_live_path_gathers_stalls_for_the_policy_s_stall_settle_seconds(

@@ -42,8 +42,10 @@ def test_the_node_agent_s_xid_on_the_peer_s_node_explains_it() -> None:
         "health_check", job=died.job, rank=1, node="node-b", at=died.time - timedelta(minutes=5)
     )
     xid = fault_event("xid", node="node-b", at=survivor.time + timedelta(seconds=3), attributes={"code": 79})
-    out = differential([known, survivor, xid])
+    diff = Differential()
+    out = [found for event in (known, survivor, xid) for found in diff.push(event)] + diff.flush()
     assert [e.kind for e in out] == [EventKind.HEALTH_CHECK, EventKind.XID]
+    assert diff.take_explained() == [(survivor.id, xid.id)]  # for the store to mark it (a start skips it)
     # A fault on the survivor's own node, or long after, explains nothing.
     own = xid.model_copy(update={"node": "node-a"})
     late = xid.model_copy(update={"time": survivor.time + SETTLE + timedelta(seconds=1)})

@@ -857,6 +857,21 @@ def test_a_jobs_live_reports_are_not_handed_on_again_at_a_start(store: Store) ->
     assert [e.id for e in store.undispatched_events()] == ["dcgm", "unnamed", "xid"]
 
 
+def test_events_absorbed_as_evidence_are_marked_once_and_not_handed_on_again(store: Store) -> None:
+    store.record_accepted([fault("victim", 1), fault("timeout", 2), fault("culprit", 3), fault("held", 4)])
+    store.attach_events([incident(fault("culprit"), id="inc-culprit")])
+    pairs = [
+        ("victim", "culprit"),
+        ("timeout", "culprit"),
+        ("culprit", "victim"),
+    ]  # the last is in an incident
+    assert store.mark_explained(pairs) == 2
+    assert store.mark_explained([("victim", "held")]) == 0  # explained once, by what explained it first
+    assert store.mark_explained([]) == 0
+    assert [e.id for e in store.undispatched_events()] == ["held"]
+    assert store.verify_chain().ok  # the marks are audited like every write to an event
+
+
 def test_ping_and_the_counts_for_metrics(store: Store) -> None:
     store.ping()
     assert store.open_incident_count() == 0 and store.action_counts() == {}
