@@ -217,15 +217,11 @@ class StoreView:
             )
         }
 
-    def unattached_events(self) -> int:
+    def unattached(self, *, every_kind: bool = False) -> list[str]:
         """Stored events in no incident that belong in one: accepted, never handed on to remediation
         (what people did to a node, and a node's history, are no incident's: `NO_INCIDENT_KINDS`; nor
-        is another event's evidence, `explained_by`)."""
-        return len(self.unattached())
-
-    def unattached(self, *, every_kind: bool = False) -> list[str]:
-        """Those events (or, with `every_kind`, every event in no incident): id, kind, node and when
-        each was received, for a failure's message."""
+        is another event's evidence, `explained_by`). With `every_kind`, every event in no incident.
+        Each as its id, kind, node and when it was received, for a failure's message."""
         kinds = ", ".join(f"'{k}'" for k in NO_INCIDENT_KINDS)  # the store's own constants, not input
         where = "" if every_kind else f"AND kind NOT IN ({kinds}) AND explained_by IS NULL"
         sql = f"SELECT id, kind, node, received_at FROM events WHERE incident_id IS NULL {where} ORDER BY received_at"
@@ -709,7 +705,7 @@ class Harness:
         return self.slurm.mark()
 
     def settled(self) -> bool:
-        return not self.store.active() and self.store.unattached_events() == 0
+        return not self.store.active() and not self.store.unattached()
 
     def slot_taken(self) -> int | None:
         """How many holders the `medic-node-actions` global concurrency limit (tasks/guard.py) counts
@@ -962,7 +958,7 @@ class KillStorm:
     settle_s: float | None  # from the last restart until everything finished; None: it never did
     settle_problem: str | None
     incidents: list[IncidentRow]
-    unattached: list[str]  # events in no incident that belong in one (Store.unattached)
+    unattached: list[str]  # events in no incident that belong in one (StoreView.unattached)
     untruthful: list[str]  # outcomes saying "not touched" of a node their incident acted on
     taken_out: set[str]  # nodes Slurm showed out of service at some point, or the store says we acted on
     final_states: dict[str, str]
