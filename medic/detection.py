@@ -8,7 +8,7 @@ rising, a row remap pending or failed, fewer GPUs than expected, a PCIe link bel
 capability, thermal throttling, NVLink links going down or their error counters rising, an
 NVSwitch SXid, NVML itself failing. A condition that persists is reported once.
 
-Pure, as medic/preflight.py is for the Slurm prolog: the agent (apps/agent.py) reads NVML and the
+Pure, as medic/preflight.py is for the Slurm prolog: the agent (medic/apps/agent.py) reads NVML and the
 kernel log, backs off, waits and sends; these rules decide. So they are tested on values, with no
 NVML, no kernel log, no sink and no clock but the one given.
 """

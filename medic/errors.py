@@ -11,7 +11,7 @@ also derives from one branch:
 A `MedicError` on neither branch, like any exception from outside the project, is *unknown*: it is
 not retried, and the incident escalates (fail closed). Which layer retries what:
 docs/decisions/0004-retry-ownership.md. The domain only defines the contract; the Prefect task
-layer applies it (`tasks/retry.py`), the integrations raise the right branch.
+layer applies it (`medic/tasks/runtime/retry.py`), the integrations raise the right branch.
 
 Classes that existed before this root keep their builtin bases (`RuntimeError`, `ValueError`,
 `LookupError`), so every `except` written against those still catches them.

@@ -1,7 +1,7 @@
 """What a node's GPUs looked like at one read: NVML's snapshot, and the XID and SXid lines the
 NVIDIA drivers wrote to the kernel log.
 
-Plain values, no I/O: integrations/nvml.py and integrations/kernel_log.py read the node and build
+Plain values, no I/O: medic/integrations/nvml.py and medic/integrations/kernel_log.py read the node and build
 them; the rules that judge them live in the domain (medic/detection.py, the agent's fault
 detection) and must not import the readers, which load pynvml and touch files.
 

@@ -1,7 +1,7 @@
 """The Slurm prolog's preflight, judged: what NVML answered about a node's GPUs, and how its time
 budget went, become failures, each with our reason (docs/agent.md, "The prolog's preflight").
 
-Pure: the hook (apps/prolog.py) reads NVML, runs DCGM and turns what it got into these types;
+Pure: the hook (medic/apps/prolog.py) reads NVML, runs DCGM and turns what it got into these types;
 this module decides. Every NVML answer is one of three things:
 
 - a value, judged;
@@ -49,7 +49,7 @@ CHECKS = (
     "dcgm_l1",
 )
 
-# NVML's fields, named as integrations/nvml.py names them in its errors and unsupported lists.
+# NVML's fields, named as medic/integrations/nvml.py names them in its errors and unsupported lists.
 ECC_FIELD = "ecc volatile uncorrected"
 RETIRED_FIELD = "retired pages pending"
 REMAP_FIELD = "remapped rows"

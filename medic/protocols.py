@@ -1,4 +1,4 @@
-"""The small interfaces flows talk to. Each has a simulated implementation (integrations/sim)
+"""The small interfaces flows talk to. Each has a simulated implementation (medic/integrations/sim)
 used by the demo and tests; real ones (Slurm, HyperPod, EC2, DCGM, Slack, DCP) plug in by
 configuration without the flows changing.
 """

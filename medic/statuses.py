@@ -65,7 +65,7 @@ ACT_DONE_STATUSES = frozenset({ActStatus.DONE, ActStatus.ALREADY_DONE})
 
 
 class MessageStatus(StrEnum):
-    """A chat message in the store's outbox (tasks/notify.py): pending until it is settled."""
+    """A chat message in the store's outbox (medic/tasks/notify.py): pending until it is settled."""
 
     PENDING = "pending"
     DELIVERED = "delivered"

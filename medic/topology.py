@@ -3,7 +3,7 @@
 Correlation calls trouble from many nodes under one leaf switch a switch storm (medic/incidents.py),
 which needs each event's `switch` and each switch's size. Sources rarely know the switch (a
 training rank does not), so events without one get their node's leaf here. The topology comes
-from the scheduler (Slurm's `scontrol show topology`, integrations/slurm/topology.py) or, for
+from the scheduler (Slurm's `scontrol show topology`, medic/integrations/slurm/topology.py) or, for
 other schedulers, a YAML config map:
 
     switches:

@@ -127,7 +127,7 @@ class _ReplayedFleet:
 class GroupLimits:
     """Each node group's own guardrails, held over the decisions on its own nodes as a replay's
     decisions so far would have left them, after the policy's over the fleet (as `check_rails` in
-    tasks/evidence.py holds them live). How many nodes a group has is the scheduler's to say: only
+    medic/tasks/nodes/evidence.py holds them live). How many nodes a group has is the scheduler's to say: only
     the count limits apply."""
 
     def __init__(self, policy: Policy) -> None:
@@ -663,7 +663,7 @@ class Stream:
         facts = facts_of(
             incident, out_of_service=out, context=self.context, gpu_history=self._gpu_history(incident)
         )
-        # The node's group and mode, as the live path's `evaluate` (tasks/evidence.py) places it.
+        # The node's group and mode, as the live path's `evaluate` (medic/tasks/nodes/evidence.py) places it.
         placement = groups.place_all(
             self.policy, incident.nodes if incident.scope == "switch" else [incident.node], self.nodes
         )

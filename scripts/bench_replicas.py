@@ -3,7 +3,7 @@
 issue 14's sizes, printed as markdown (BENCHMARKS.md's reliability section is written from them).
 
 Starts its own parts, as the tests do (tests/replicas_support.py): a `prefect server` on a fresh
-PostgreSQL database (bench/prefect_server.py), a store database of its own, a 20-node Slurm cluster
+PostgreSQL database (tests/bench/prefect_server.py), a store database of its own, a 20-node Slurm cluster
 (scripts/slurm-cluster.sh, under /tmp/medic-slurm-replicas, on free ports) and two
 `medic serve --dispatch local` processes. Needs root (Slurm) and PostgreSQL at 127.0.0.1:5432
 (MEDIC_TEST_POSTGRES to use another).

@@ -13,7 +13,7 @@ from prefect.client.orchestration import get_client
 
 from medic.flows.dispatch import remediate_all
 from medic.intake import read_lines
-from medic.tasks.runtime import Runtime
+from medic.tasks.runtime.process import Runtime
 
 
 def run_in_background(rt: Runtime, lines: list[str]) -> tuple[threading.Thread, dict[str, Any]]:

@@ -33,7 +33,7 @@ from medic.integrations import registry
 from medic.integrations.registry import Backends
 from medic.integrations.sim.fleet import SimFleet
 from medic.store import Store
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 
 if TYPE_CHECKING:
     from medic.flows.leases import Leases
@@ -59,7 +59,7 @@ def prefect_server(
     tmp_path_factory: pytest.TempPathFactory, postgres_admin_url: str
 ) -> Iterator[dict[str, str]]:
     """A `prefect server` process on a PostgreSQL database of its own, as a fleet runs it, with the
-    services automations need (bench/prefect_server.py). Yields the environment of its clients:
+    services automations need (tests/bench/prefect_server.py). Yields the environment of its clients:
     `PREFECT_API_URL` and a `PREFECT_HOME` of their own."""
     from bench.prefect_server import prefect_on_postgres
 

@@ -1,7 +1,7 @@
 """A `Scheduler` whose jobs are real local torchrun launches of the reference training job.
 
 Nodes stay simulated (drains, resumes and states go to `SimScheduler` over the shared fleet),
-but a job is a real `torchrun` of deployments/training/train.py with one local rank per node it
+but a job is a real `torchrun` of medic/training/train.py with one local rank per node it
 was given: rank i "runs on" nodes[i]. A requeue kills what is left of the launch and starts a
 new one on the healthy nodes, topped up with idle spares or else fewer (DCP reshards on load);
 train.py resumes by itself from its newest complete checkpoint. This lets the remediation flow

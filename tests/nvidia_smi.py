@@ -24,7 +24,7 @@ from medic.preflight import (
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nvml"
-# nvidia-smi's labels of the clock event reasons -> the names integrations/nvml.py gives them.
+# nvidia-smi's labels of the clock event reasons -> the names medic/integrations/nvml.py gives them.
 CLOCK_LABELS = {
     "idle": "gpu_idle",
     "applications clocks setting": "applications_clocks_setting",

@@ -2,7 +2,7 @@
 tests/system/test_replicas.py and scripts/bench_replicas.py (issue 14, item 9).
 
 Every part is real: a PostgreSQL database of its own, a `prefect server` on PostgreSQL (the caller's:
-the tests' `prefect_server` fixture, or bench/prefect_server.py), a Slurm cluster of 20 nodes started by
+the tests' `prefect_server` fixture, or tests/bench/prefect_server.py), a Slurm cluster of 20 nodes started by
 scripts/slurm-cluster.sh in its own base and on its own ports (so it never meets tests/system/test_slurm.py's),
 and two `medic serve --dispatch local` processes on two ports sharing the store, the Prefect API, the
 Slurm cluster and one policy file. Faults are POSTed over HTTP, a replica is killed with SIGKILL and
@@ -708,7 +708,7 @@ class Harness:
         return not self.store.active() and not self.store.unattached()
 
     def slot_taken(self) -> int | None:
-        """How many holders the `medic-node-actions` global concurrency limit (tasks/guard.py) counts
+        """How many holders the `medic-node-actions` global concurrency limit (medic/tasks/nodes/guard.py) counts
         now, as Prefect's API says; None when it cannot be read (not created yet)."""
         try:
             answer = httpx.get(

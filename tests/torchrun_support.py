@@ -1,4 +1,4 @@
-"""Launching the reference training job (deployments/training/train.py) under a real torchrun."""
+"""Launching the reference training job (medic/training/train.py) under a real torchrun."""
 
 from __future__ import annotations
 

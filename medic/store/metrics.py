@@ -1,4 +1,4 @@
-"""Counts and delays over the whole store, for `medic serve`'s /metrics (apps/server/metrics.py)."""
+"""Counts and delays over the whole store, for `medic serve`'s /metrics (medic/apps/server/metrics.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from medic.store.tables import (
     StepRecord,
 )
 
-# tasks/contain.py's stage: the store names it, not imports it (the store sits below the tasks).
+# medic/tasks/nodes/contain.py's stage: the store names it, not imports it (the store sits below the tasks).
 CONTAIN_STAGE = "contain"
 
 
@@ -46,7 +46,7 @@ class MetricsMixin(StoreBase):
 
     def contain_delays(self) -> list[float]:
         """Per contained incident: seconds from its first event's arrival to the end of its containment's
-        drain (tasks/contain.py), the moment the scheduler stopped placing work on the node."""
+        drain (medic/tasks/nodes/contain.py), the moment the scheduler stopped placing work on the node."""
         contained = (
             select(StepRecord.incident_id, func.min(StepRecord.finished_at).label("at"))
             .where(StepRecord.stage == CONTAIN_STAGE)

@@ -1,5 +1,5 @@
 """The outbox: chat messages kept from the moment a flow says them until they are delivered or given
-up (tasks/notify.py), so that a process that stops or dies does not take them along.
+up (medic/tasks/notify.py), so that a process that stops or dies does not take them along.
 
 A pending message is held by the process sending it (`owner`) until `lease_until`, renewed while it
 tries. Another process claims a dead owner's messages all at once, by one conditional UPDATE (like

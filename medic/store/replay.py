@@ -101,7 +101,7 @@ class ReplayMixin(EventsMixin):
                 if row[-1] is not None:
                     by_incident[row[-1]].append(event)
             # Every closing, not only those in reach: a handful of rows, the same for every part of a
-            # replay (apps/cli/replay_parallel.py).
+            # replay (medic/apps/cli/replay_parallel.py).
             closed = list(connection.execute(select(col(BreakerRecord.closed_at))).scalars())
         # The node history only matters for decisions recorded without their facts: rebuilding them.
         old_nodes = {d.node for d in decisions if d.facts is None and d.scope == "node"}

@@ -108,7 +108,7 @@ class IncidentRecord(SQLModel, table=True):
     flow_run_id: str | None = None
     flow_run_name: str | None = None
     # The process whose run handles the incident, until when (renewed while it runs): a run that
-    # died lets its lease lapse, and another process picks the incident up (flows/leases.py).
+    # died lets its lease lapse, and another process picks the incident up (medic/flows/leases.py).
     runner: str | None = None
     lease_until: datetime | None = _time(nullable=True)
 
@@ -271,7 +271,7 @@ class ModeChangeRecord(SQLModel, table=True):
 
 
 class OutboxRecord(SQLModel, table=True):
-    """A chat message on its way (tasks/notify.py): written when the flow says it, settled once it is
+    """A chat message on its way (medic/tasks/notify.py): written when the flow says it, settled once it is
     delivered or given up. Not audited: a delivery queue, whose outcomes are the `notify` and `update`
     steps. The process sending a message holds it (`owner`, renewed while it tries); a message whose
     holder is gone is claimed and sent again by another process (docs/slack.md)."""

@@ -15,7 +15,7 @@ on the scheduler's facts (partitions, features, GPUs) cannot be told, and the in
 a live one does.
 
 The replay is made in two halves: `redecide` decides the recorded decisions again, which may be
-split over processes by incident (apps/cli/replay_parallel.py, `decided_as_one`), and `judge`
+split over processes by incident (medic/apps/cli/replay_parallel.py, `decided_as_one`), and `judge`
 (medic/whatif/replay_report.py) replays the guardrails over all of them and makes the report, whose
 JSON form is a public contract (docs/policy.md#replay); tests pin it.
 """
@@ -175,7 +175,7 @@ def redecide(history: History, loaded: LoadedPolicy) -> Redecisions:
 
 class Redeciding:
     """`redecide` a decision at a time, in the order they were made: a process deciding part of a
-    replay hands them over as they come (apps/cli/replay_parallel.py), and `summary` says what they
+    replay hands them over as they come (medic/apps/cli/replay_parallel.py), and `summary` says what they
     read once all are made."""
 
     def __init__(self, history: History, loaded: LoadedPolicy) -> None:

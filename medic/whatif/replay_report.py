@@ -178,7 +178,7 @@ class Judge:
     made, each incident compared with its record as soon as its last decision is judged.
 
     Taken a stretch at a time, so that one process judges the earlier decisions while another still
-    decides the later ones (apps/cli/replay_parallel.py)."""
+    decides the later ones (medic/apps/cli/replay_parallel.py)."""
 
     def __init__(self, loaded: LoadedPolicy, closed_at: Iterable[datetime]) -> None:
         self.loaded = loaded

@@ -36,8 +36,8 @@ from medic.integrations.sim.fleet import SimFleet
 from medic.policy import Action
 from medic.protocols import DiagnosticResult, Diagnostics, NodeState
 from medic.store import Store
-from medic.tasks import runtime as runtime_module
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime import process as runtime_module
+from medic.tasks.runtime.process import Runtime, configure
 from medic.tasks.verify import verify
 
 FIXTURES = TEST_FIXTURES / "dcgm"

@@ -41,8 +41,8 @@ from medic.integrations.provider_errors import ProviderError, UnknownNodeError
 from medic.integrations.registry import Backends
 from medic.protocols import NodeInfo, NodeProvider, NodeState, Reconcilable
 from medic.store import Store
-from medic.tasks.reconcile import reconcile_intents
-from medic.tasks.runtime import Runtime
+from medic.tasks.nodes.reconcile import reconcile_intents
+from medic.tasks.runtime.process import Runtime
 
 REGION = "us-east-1"
 AMI = "ami-12345678"

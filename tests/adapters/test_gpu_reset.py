@@ -1,4 +1,4 @@
-"""The GPU reset in place through nvidia-smi (integrations/gpu_reset.py): its parsers on what nvidia-smi
+"""The GPU reset in place through nvidia-smi (medic/integrations/gpu_reset.py): its parsers on what nvidia-smi
 printed on a real H200 and on NVSentinel's recorded resets (tests/fixtures/nvidia_smi/SOURCES.md), and
 the whole reset over the local runner, with an `nvidia-smi` on PATH that answers each command with
 those recordings and logs what it was asked: NVIDIA's preconditions are checked before the reset, the

@@ -31,8 +31,8 @@ from medic.integrations.sim.provider import SimProvider
 from medic.policy import Action
 from medic.statuses import StepStatus
 from medic.store import Store
-from medic.tasks import host_evidence
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.nodes import host_evidence
+from medic.tasks.runtime.process import Runtime, configure
 
 FIXTURES = TEST_FIXTURES
 KERNEL_LOG = (FIXTURES / "xid" / "kernel_log.txt").read_text()

@@ -1,4 +1,4 @@
-"""integrations/kernel_log.py: following a kernel-log file, and reading the driver's XID lines."""
+"""medic/integrations/kernel_log.py: following a kernel-log file, and reading the driver's XID lines."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""perftest's ib_write_bw and ib_write_lat in loopback (integrations/nic_loopback.py): their real
+"""perftest's ib_write_bw and ib_write_lat in loopback (medic/integrations/nic_loopback.py): their real
 output read from the runs people posted (tests/fixtures/perftest/SOURCES.md), the commands run for real
 on this machine against stand-in tools, and the `nic_loopback` check judged against the shape's floor
 and latency ceiling."""

@@ -1,4 +1,4 @@
-"""integrations/nvml.py through nvidia-ml-py's real ctypes code path, answered by the NVML shim
+"""medic/integrations/nvml.py through nvidia-ml-py's real ctypes code path, answered by the NVML shim
 (tests/nvml_shim/libnvidia-ml.c) in a child process, and on a host with no NVML library at all."""
 
 from __future__ import annotations

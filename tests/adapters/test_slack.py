@@ -46,7 +46,7 @@ from medic.integrations.slack.notifier import (
 from medic.integrations.slack.signature import SignatureError, verify
 from medic.protocols import Message, Notifier
 from medic.store import Store
-from medic.tasks.runtime import Runtime
+from medic.tasks.runtime.process import Runtime
 
 TOKEN = "xoxb-1111-2222-medictesttokenvalue"
 CHANNEL_ID = "C0GPUALERTS"
@@ -507,7 +507,7 @@ def test_an_email_slack_cannot_be_asked_about_is_said_and_asked_again_later(
     notifier = approving_runtime.backends.notifier
     assert isinstance(notifier, SlackNotifier)
     notifier.max_wait_s = 0  # no retries within a call: Slack is down
-    monkeypatch.setattr("medic.tasks.runtime.APPROVER_RETRY_S", 1.0)
+    monkeypatch.setattr("medic.tasks.runtime.process.APPROVER_RETRY_S", 1.0)
     slack_api.go_down(503)
     down = approving_runtime.approvers(wait_s=10)
     assert down.ids == {"U0CAROL1"} and down.retry

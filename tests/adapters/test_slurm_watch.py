@@ -24,7 +24,7 @@ from medic.integrations.slurm.watch import NodeWatch
 from medic.statuses import ActionStatus
 from medic.store import Store
 from medic.store.tables import ActionRecord
-from medic.tasks.people import GRACE, PeopleWatch, interval_s, ours_in
+from medic.apps.server.people import GRACE, PeopleWatch, interval_s, ours_in
 
 FIXTURES = TEST_FIXTURES / "slurm"
 NEWER = [g for g in GENERATIONS if g >= 39]

@@ -13,8 +13,8 @@ from medic.policy.model import Action, Classification, Decision
 from medic.statuses import ActionStatus
 from medic.store import Store
 from medic.store.tables import BreakerRecord
-from medic.tasks.guard import guarded
-from medic.tasks.runtime import Runtime
+from medic.tasks.nodes.guard import guarded
+from medic.tasks.runtime.process import Runtime
 
 OPENERS = 4
 TRIES = 25

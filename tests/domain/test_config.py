@@ -27,7 +27,7 @@ from medic.integrations.sim.notifier import RecordingNotifier
 from medic.integrations.sim.scheduler import SimScheduler
 from medic.policy import PolicyError
 from medic.protocols import Message
-from medic.tasks import runtime
+from medic.tasks.runtime import process as runtime
 
 BIN = Path(sys.executable).parent
 

@@ -23,7 +23,7 @@ from medic.integrations.registry import Backends
 from medic.peers import TIMINGS_CHECK
 from medic.store import Store
 from medic.store.tables import EventRecord
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 from medic.training.medic_hooks import MedicHooks
 
 JOB, WORLD = "llm", 4
@@ -437,7 +437,7 @@ def test_a_loop_that_reports_no_collectives_sends_no_position(tmp_path: Path) ->
     assert differential([FaultEvent.model_validate_json(event.to_json())])[0].id == event.id
 
 
-# --- The warm path of `medic serve` (flows/live.py) -------------------------------------------------
+# --- The warm path of `medic serve` (medic/flows/live.py) -------------------------------------------------
 
 LIVE_NODE_OF = {rank: f"gpu-node-{rank + 1}" for rank in range(WORLD)}  # the simulated fleet's
 

@@ -31,7 +31,7 @@ from medic.statuses import ACTIVE_INCIDENT_STATUSES, ActStatus, IncidentStatus
 from medic.store import Store, utcnow
 from medic.store.tables import _ACTIVE_SQL, EventRecord, IncidentRecord
 from medic.tasks.act import act
-from medic.tasks.runtime import Runtime
+from medic.tasks.runtime.process import Runtime
 
 OPENERS = 4
 EACH = 10

@@ -24,7 +24,7 @@ from medic.peers import TIMINGS_CHECK
 from medic.profile_diff import Category, Cause, Growth, ProfileDiff, diagnose
 from medic.profiles import PROFILE_CHECK
 from medic.store import Store
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 from medic.training.medic_hooks import MedicHooks
 
 JOB, WORLD, EVERY = "llm", 4, 10
@@ -242,7 +242,7 @@ def test_a_rank_s_hooks_take_the_request_as_written_at_its_step(tmp_path: Path, 
     assert began == [(7, PAIR_STEPS, "requested")]
 
 
-# --- The warm path of `medic serve` (flows/live.py) -------------------------------------------------
+# --- The warm path of `medic serve` (medic/flows/live.py) -------------------------------------------------
 
 
 def test_a_request_that_cannot_be_written_is_dropped_and_the_next_one_written(

@@ -206,7 +206,7 @@ def test_a_profile_from_long_before_is_no_evidence_of_this_slowdown() -> None:
     assert out and all("artifact" not in e.attributes for e in out)
 
 
-# --- The hooks' side: what a rank reports (deployments/training/medic_hooks.py) -------------------
+# --- The hooks' side: what a rank reports (medic/training/medic_hooks.py) -------------------
 
 
 def rank_hooks(sink: Path, rank: int = 1, **options: object) -> MedicHooks:

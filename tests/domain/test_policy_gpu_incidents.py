@@ -18,8 +18,8 @@ from medic.facts import facts_of
 from medic.incidents import Incident, correlate
 from medic.policy import LoadedPolicy, PolicyError, decide, load_policy
 from medic.policy.loader import parse_policy
-from medic.tasks.evidence import evaluate
-from medic.tasks.runtime import Runtime
+from medic.tasks.nodes.evidence import evaluate
+from medic.tasks.runtime.process import Runtime
 from medic.triage import triage
 from medic.whatif.replay import FactsRecord, facts_from, record_facts
 from medic.whatif.testing import default_tests_path, load_tests, run_tests

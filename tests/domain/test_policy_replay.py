@@ -28,7 +28,7 @@ from medic.store import Store
 from medic.store.migrations import baseline
 from medic.store.tables import BreakerRecord
 from medic.tasks.decide import decide_incident
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 from medic.tasks.triage import triage
 from medic.whatif.replay import ChangeLimit, FactsRecord, ReplayReport, facts_from, record_facts, replay
 

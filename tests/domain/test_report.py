@@ -51,7 +51,7 @@ def _handle(
     lost_s: float | None = None,
 ) -> str:
     """One incident as its flow run leaves it: events, node actions (intent, then outcome), the job's
-    resume, its status and, when it closed, what it cost each job (as tasks/close.py records it)."""
+    resume, its status and, when it closed, what it cost each job (as medic/tasks/close.py records it)."""
     inc = incident(*events, id=f"inc-{name}")
     store.record_events([inc])
     store.open_incident(inc, owner="alice")

@@ -16,7 +16,7 @@ from audit_support import sql
 from medic.statuses import MessageStatus, StepStatus
 from medic.store import Store, utcnow
 from medic.store.tables import StepRecord
-from medic.tasks.runners import dead_runners, runner_name
+from medic.tasks.runtime.runners import dead_runners, runner_name
 
 ROLE = "notify"
 

@@ -1,4 +1,4 @@
-"""The cluster's topology: Slurm's formats (integrations/slurm/topology.py) and the model (medic/topology.py)."""
+"""The cluster's topology: Slurm's formats (medic/integrations/slurm/topology.py) and the model (medic/topology.py)."""
 
 from __future__ import annotations
 

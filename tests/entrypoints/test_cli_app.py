@@ -1,5 +1,5 @@
 """The root command line: `medic COMMAND` loads that command's module only, and says what the whole
-CLI says (apps/cli/app.py)."""
+CLI says (medic/apps/cli/app.py)."""
 
 from __future__ import annotations
 

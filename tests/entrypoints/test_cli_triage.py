@@ -276,7 +276,7 @@ _NOT_FOR_TRIAGE = (
     "prefect",
     "sqlalchemy",
     "medic.store",
-    "medic.tasks.runtime",
+    "medic.tasks.runtime.process",
     "medic.integrations.registry",
 )
 

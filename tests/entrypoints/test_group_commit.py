@@ -1,4 +1,4 @@
-"""Group commit (apps/server/group_commit.py): requests that arrive while a commit runs are stored
+"""Group commit (medic/apps/server/group_commit.py): requests that arrive while a commit runs are stored
 together by the next, each answered once its own events are durable, a duplicate across them
 answered as one, and a request whose events cannot be stored failing alone."""
 

@@ -22,8 +22,8 @@ from medic.integrations import registry
 from medic.integrations.slurm import SlurmCli, SlurmScheduler
 from medic.policy import load_policy
 from medic.store import Store
-from medic.tasks.people import PeopleWatch
-from medic.tasks.runtime import Runtime
+from medic.apps.server.people import PeopleWatch
+from medic.tasks.runtime.process import Runtime
 from medic.triage import stream
 
 TOKEN = "ingest-token"

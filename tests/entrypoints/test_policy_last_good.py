@@ -23,7 +23,7 @@ from medic.integrations.registry import Backends
 from medic.integrations.sim.notifier import RecordingNotifier
 from medic.policy import load_policy
 from medic.store import Store
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -1,4 +1,4 @@
-"""`medic policy replay` at scale: in two processes (apps/cli/replay_parallel.py), the report one replay
+"""`medic policy replay` at scale: in two processes (medic/apps/cli/replay_parallel.py), the report one replay
 in one process makes, whether the halves stand for it or the replay is made again whole; and in one
 process, the report the cluster's every event would give, from a context of the kinds the policy counts."""
 

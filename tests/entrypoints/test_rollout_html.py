@@ -1,4 +1,4 @@
-"""`medic rollout report --html`'s page (apps/cli/rollout_html.py), read back with html.parser: it holds
+"""`medic rollout report --html`'s page (medic/apps/cli/rollout_html.py), read back with html.parser: it holds
 the JSON report's numbers, one plot per group, and loads nothing from elsewhere."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The rollout report's totals on `medic serve`'s /metrics (apps/server/metrics.py, RolloutCollector),
+"""The rollout report's totals on `medic serve`'s /metrics (medic/apps/server/metrics.py, RolloutCollector),
 through the real endpoint, judged against the policy in force at each scrape."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from medic.integrations.registry import Backends
 from medic.policy.model import Action
 from medic.policy.selectors import Mode
 from medic.store import Store
-from medic.tasks.runtime import Runtime
+from medic.tasks.runtime.process import Runtime
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -48,7 +48,7 @@ def serving(
     """The app with a runtime whose policy file the test edits, as `medic serve` runs it."""
     policy = tmp_path / "policy.yaml"
     policy.write_text(CANARY_POLICY)
-    monkeypatch.setattr("medic.tasks.runtime._current", Runtime(sqlite_store, sim_backends, policy))
+    monkeypatch.setattr("medic.tasks.runtime.process._current", Runtime(sqlite_store, sim_backends, policy))
     seed(sqlite_store, monkeypatch, datetime.now(UTC) - timedelta(days=10))
     return TestClient(create_app(sqlite_store, tokens={"t"}, hmac_secret=None, on_accepted=None)), policy
 

@@ -1,4 +1,4 @@
-"""The HTTP ingest service (apps/server): formats, auth, the reply contract, durability, metrics."""
+"""The HTTP ingest service (medic/apps/server): formats, auth, the reply contract, durability, metrics."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""apps/hooks.py and deployments/slurm/medic-*.sh: the prolog's preflight (NVML quick checks, its
+"""medic/apps/hooks.py and medic/slurm_hooks/medic-*.sh: the prolog's preflight (NVML quick checks, its
 time budget, the drain with our reason) and the DCGM diagnostics of every hook, against the fake
 `dcgmi` of tests/fixtures/dcgm/fake_dcgmi.sh and the NVML shim of tests/nvml_shim: in process, as a
 process on a node, as Slurm starts the scripts (no PATH, almost no environment), and from a real

@@ -1,4 +1,4 @@
-"""`medic triage` with its reading in a forked process (apps/cli/triage_parallel.py) prints what it
+"""`medic triage` with its reading in a forked process (medic/apps/cli/triage_parallel.py) prints what it
 prints reading the file itself: the same incidents, the same rejections in the same order, the same
 duplicates, the same fallback for a file out of time order."""
 

@@ -18,7 +18,7 @@ from medic.intake import read_lines
 from medic.integrations.sim.fleet import SimFleet
 from medic.integrations.sim.notifier import RecordingNotifier
 from medic.protocols import NodeState
-from medic.tasks.runtime import Runtime
+from medic.tasks.runtime.process import Runtime
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -1,4 +1,4 @@
-"""In a burst the containments go first (flows/live.py): a few at a time, those whose own events say
+"""In a burst the containments go first (medic/flows/live.py): a few at a time, those whose own events say
 "take the node out" before the rest, and new flow runs wait for them (BENCHMARKS.md, "At fleet
 scale")."""
 
@@ -11,7 +11,7 @@ from factories import fault_event
 
 from medic.flows.live import LiveDispatcher, Turns
 from medic.incidents import Incident
-from medic.tasks.runtime import Runtime
+from medic.tasks.runtime.process import Runtime
 
 
 def test_turns_go_by_priority_then_arrival_and_a_cancelled_waiter_frees_nothing_twice() -> None:

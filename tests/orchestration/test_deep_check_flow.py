@@ -23,8 +23,8 @@ from medic.integrations.sim.fleet import SimFleet
 from medic.policy.deep_checks import CheckName
 from medic.protocols import NodeState
 from medic.store import Store, utcnow
-from medic.tasks.node_ops import reintegrate_node
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.nodes.service import reintegrate_node
+from medic.tasks.runtime.process import Runtime, configure
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

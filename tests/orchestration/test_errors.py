@@ -44,9 +44,9 @@ from medic.integrations.slurm import (
 from medic.policy import Decision, PolicyError
 from medic.policy.model import DuplicateRuleId
 from medic.tasks.act import act
-from medic.tasks.guard import SlotBusy, SlotLimitMissing, SlotUnavailable
-from medic.tasks.retry import transient_only
-from medic.tasks.runtime import Runtime
+from medic.tasks.nodes.guard import SlotBusy, SlotLimitMissing, SlotUnavailable
+from medic.tasks.runtime.retry import transient_only
+from medic.tasks.runtime.process import Runtime
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

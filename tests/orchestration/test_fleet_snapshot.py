@@ -1,4 +1,4 @@
-"""The fleet snapshot decisions count from (tasks/fleet_nodes.py, decision 0023): one read of the
+"""The fleet snapshot decisions count from (medic/tasks/runtime/fleet_snapshot.py, decision 0023): one read of the
 scheduler serves a process's decisions for a few seconds, and every node GPU Medic meant to take
 out since that read counts as out of service, from the store, wherever it was recorded, until it
 is returned. The last check under the guardrail slot still reads the scheduler itself
@@ -13,9 +13,9 @@ from medic.policy import load_policy
 from medic.protocols import NodeInfo
 from medic.statuses import ActionStatus
 from medic.store import utcnow
-from medic.tasks.evidence import fleet_state
-from medic.tasks.fleet_nodes import FleetNodes
-from medic.tasks.runtime import Runtime
+from medic.tasks.nodes.evidence import fleet_state
+from medic.tasks.runtime.fleet_snapshot import FleetNodes
+from medic.tasks.runtime.process import Runtime
 
 
 class Clock:

@@ -24,7 +24,7 @@ from medic.intake import Intake, read_lines
 from medic.integrations.sim.fleet import SimFleet
 from medic.integrations.sim.notifier import RecordingNotifier
 from medic.protocols import Message, NodeState
-from medic.tasks.runtime import Runtime
+from medic.tasks.runtime.process import Runtime
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -79,7 +79,7 @@ def test_xid79_reboots_resumes_job_and_reintegrates(runtime: Runtime, training: 
     assert len(detail.events) == 25
     stages = [s.stage for s in detail.steps]
     # The node is taken out before anyone is told, and no stage waits on the chat: the messages
-    # go out beside the stages after it (tasks/notify.py), in their own order.
+    # go out beside the stages after it (medic/tasks/notify.py), in their own order.
     chat = ("notify", "update")
     # The job's resume and the node's verification run side by side after the act (either may end
     # first: a job with nowhere else to go waits for the verified node), both before the close.

@@ -16,7 +16,7 @@ from medic.flows.dispatch import Dispatch, remediate_all
 from medic.intake import read_lines
 from medic.integrations.sim.fleet import SimFleet
 from medic.integrations.sim.notifier import RecordingNotifier
-from medic.tasks.runtime import Runtime
+from medic.tasks.runtime.process import Runtime
 
 DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
 

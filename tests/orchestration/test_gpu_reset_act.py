@@ -20,8 +20,8 @@ from medic.integrations.sim.fleet import SimFleet
 from medic.integrations.sim.provider import SimProvider
 from medic.protocols import Settled
 from medic.store import Store
-from medic.tasks.reconcile import reconcile_intents
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.nodes.reconcile import reconcile_intents
+from medic.tasks.runtime.process import Runtime, configure
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

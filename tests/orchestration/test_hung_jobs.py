@@ -20,7 +20,7 @@ from medic.intake import read_lines
 from medic.integrations.sim.fleet import SimFleet
 from medic.store import Store
 from medic.tasks.resume import RESTART
-from medic.tasks.runtime import Runtime
+from medic.tasks.runtime.process import Runtime
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

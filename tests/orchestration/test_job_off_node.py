@@ -34,8 +34,8 @@ from medic.integrations.slurm.errors import SlurmUnreachableError
 from medic.integrations.slurm.provider import BOOT_SLACK_S
 from medic.protocols import SPARES_RESERVATION, JobState, NodeState
 from medic.store import IncidentDetail, Store
-from medic.tasks import runtime as runtime_module
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime import process as runtime_module
+from medic.tasks.runtime.process import Runtime, configure
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 # tests/slurm_cluster.py's fixtures: the Slurm tests here get a cluster of their own (module scope).

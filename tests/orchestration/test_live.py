@@ -35,7 +35,7 @@ from medic.integrations.slack.notifier import SlackNotifier
 from medic.protocols import NodeState
 from medic.store import Store
 from medic.store.tables import IncidentRecord
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

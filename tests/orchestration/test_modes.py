@@ -25,8 +25,8 @@ from medic.integrations.sim.fleet import SimFleet
 from medic.integrations.sim.notifier import RecordingNotifier
 from medic.protocols import NodeState
 from medic.store import Store
-from medic.tasks.contain import contain
-from medic.tasks.runtime import Runtime
+from medic.tasks.nodes.contain import contain
+from medic.tasks.runtime.process import Runtime
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

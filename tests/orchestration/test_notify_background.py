@@ -1,6 +1,6 @@
 """Chat never holds a node out of service: an incident's messages go out in order from a worker of
 their own, tried again while the chat is down, and the run waits for them only at its very end,
-for at most tasks/notify.py's FLUSH_S. What never gets through is recorded and logged."""
+for at most medic/tasks/notify.py's FLUSH_S. What never gets through is recorded and logged."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from medic.protocols import Message, NodeState
 from medic.store import Store
 from medic.store.tables import StepRecord
 from medic.tasks.notify import IncidentThread
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 
 SLACK_TOKEN = "xoxb-test-token"
 CHANNEL_ID = "C0GPUOPS"
@@ -158,7 +158,7 @@ def test_the_final_flush_is_bounded_and_gives_up_what_is_left(
 def test_a_second_message_of_the_incident_waits_behind_the_first(
     scripted_runtime: Runtime, sqlite_store: Store
 ) -> None:
-    """The approval request (flows/approval.py) goes out after the incident's own message."""
+    """The approval request (medic/flows/approval.py) goes out after the incident's own message."""
     notifier = Scripted(failures=2)
     scripted_runtime.backends.notifier = notifier
     sqlite_store.open_incident(_incident("inc-two"))

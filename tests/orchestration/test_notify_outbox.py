@@ -32,14 +32,14 @@ from medic.statuses import IncidentStatus, MessageStatus, StepStatus
 from medic.store import Store, utcnow
 from medic.store.tables import OutboxRecord, StepRecord
 from medic.tasks.notify import redeliver
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 
 SLACK_TOKEN = "xoxb-test-token"
 CHANNEL_ID = "C0GPUOPS"
 DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
 
 # A process running one incident's flow, its chat through Slack's Web API at argv[2]. Like `medic serve`,
-# it runs the flow on a worker thread, and on SIGTERM stops as serve does (apps/server/main.py): its
+# it runs the flow on a worker thread, and on SIGTERM stops as serve does (medic/apps/server/main.py): its
 # on_stop says what is left, then it ends at once.
 RUN = """
 import asyncio, logging, os, signal, sys, threading
@@ -53,7 +53,7 @@ from medic.integrations.sim.fleet import SimFleet
 from medic.integrations.slack.notifier import SlackNotifier
 from medic.store import Store
 from medic.tasks.notify import left_behind
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 
 url, api_url, token, policy, event = sys.argv[1:]
 backends, fleet = registry.simulated(SimFleet.build(nodes=8))

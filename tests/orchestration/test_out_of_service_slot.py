@@ -30,11 +30,11 @@ from medic.policy.model import Classification
 from medic.protocols import Message, NodeState
 from medic.store import utcnow
 from medic.tasks import diagnose as diagnose_task
-from medic.tasks import guard as guard_task
-from medic.tasks.evidence import fleet_state
-from medic.tasks.guard import guarded
-from medic.tasks.node_ops import OutsideGuardrailSlotError, ensure_drained, take_out_of_service
-from medic.tasks.runtime import Runtime
+from medic.tasks.nodes import guard as guard_task
+from medic.tasks.nodes.evidence import fleet_state
+from medic.tasks.nodes.guard import guarded
+from medic.tasks.nodes.service import OutsideGuardrailSlotError, ensure_drained, take_out_of_service
+from medic.tasks.runtime.process import Runtime
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

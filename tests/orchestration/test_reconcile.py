@@ -4,8 +4,8 @@ time; tests/system/test_slurm.py, test_ec2.py and test_hyperpod.py settle on the
 from __future__ import annotations
 
 from medic.integrations.sim.fleet import SimFleet
-from medic.tasks.reconcile import reconcile_intents
-from medic.tasks.runtime import Runtime
+from medic.tasks.nodes.reconcile import reconcile_intents
+from medic.tasks.runtime.process import Runtime
 
 
 def test_a_reboot_that_happened_is_marked_done(runtime: Runtime, fleet: SimFleet) -> None:

@@ -26,8 +26,8 @@ from medic.integrations.sim.fleet import SimFleet
 from medic.policy import Action, load_policy
 from medic.protocols import NodeState
 from medic.statuses import IncidentStatus
-from medic.tasks.node_ops import drain_incident, drain_reason, resume_node
-from medic.tasks.runtime import Runtime
+from medic.tasks.nodes.service import drain_incident, drain_reason, resume_node
+from medic.tasks.runtime.process import Runtime
 from medic.tasks.verify import verify
 from medic.triage import triage
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prefect.client.orchestration import SyncPrefectClient
 
-from medic.tasks.guard import _FREED, INCREMENT_PATH, MAX_PAUSE_S, NODE_ACTIONS_LIMIT, _acquire
+from medic.tasks.nodes.guard import _FREED, INCREMENT_PATH, MAX_PAUSE_S, NODE_ACTIONS_LIMIT, _acquire
 
 RESET = 0  # an answer of none: the connection reset
 

@@ -1,6 +1,6 @@
 """The incident's Slack message says why its straggler is slow and attaches both traces (issue 39).
 
-`_message` is the one place the message's body is built (flows/remediate.py); it is called here as
+`_message` is the one place the message's body is built (medic/flows/remediate.py); it is called here as
 the flow calls it, with the incident's events as the store gives them back, without a flow run.
 """
 
@@ -17,7 +17,7 @@ from medic.integrations.registry import Backends
 from medic.integrations.slack.blocks import message_blocks
 from medic.policy import decide
 from medic.store import Store
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 from medic.tasks.triage import Triage
 
 SUSPECT, PEER = "/shared/medic/llm-r2-profile.json", "/shared/medic/llm-r0-profile.json"

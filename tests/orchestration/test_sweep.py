@@ -23,7 +23,7 @@ from medic.protocols import DiagnosticResult, Diagnostics, NodeInfo, NodeState
 from medic.store import Store
 from medic.store.tables import DiagnosticRecord
 from medic.sweep import NodeBusyError, SweepSettings, plan
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 from medic.tasks.sweep import NoReservationsError, make_plan, reservation_minutes
 
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)

@@ -1,5 +1,5 @@
 """The bursts of issue 40 at a size the test machine allows, through two `medic serve` replicas on
-one PostgreSQL store and a Prefect server (bench/fleet_burst.py, whose full-size figures are in
+one PostgreSQL store and a Prefect server (tests/bench/fleet_burst.py, whose full-size figures are in
 BENCHMARKS.md, "At fleet scale"):
 
 - (a) fatal XIDs on 6 nodes and non-fatal ones on 54 others of a 300-node fleet: nothing

@@ -26,7 +26,7 @@ from medic.integrations.checkpoints import DcpCheckpointStore
 from medic.integrations.sim.fleet import SimFleet
 from medic.protocols import JobInfo, JobState, NodeState
 from medic.store import Store
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 
 # A resume that never shows progress would hold the flow for its 900 s wait: fail well before.
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("prefect_harness"), pytest.mark.timeout(180)]

@@ -36,7 +36,7 @@ from medic.incidents import Incident
 from medic.integrations.processes import free_port
 from medic.store import Store
 from medic.store.tables import IncidentRecord
-from medic.tasks import prefect_events
+from medic.tasks.runtime import prefect_events
 
 BIN = Path(sys.executable).parent
 NODE = "gpu-node-6"

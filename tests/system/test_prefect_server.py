@@ -81,7 +81,7 @@ def test_ingest_against_prefect_server_on_postgres(
     with temporary_settings({PREFECT_API_URL: prefect_server["PREFECT_API_URL"]}):
         names = asyncio.run(task_runs())
     # No job ran on the node, so there is no "resume job" stage; chat messages are no task runs
-    # (tasks/notify.py's worker sends them beside the stages).
+    # (medic/tasks/notify.py's worker sends them beside the stages).
     # Each named for what it did.
     assert names == sorted(
         [

@@ -34,7 +34,7 @@ from medic.intake import read_lines
 from medic.integrations import registry
 from medic.integrations.sim.fleet import SimFleet
 from medic.store import Store
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 
 pytestmark = pytest.mark.system
 

@@ -1,7 +1,7 @@
 """Why a rank is slow, end to end: the reference job under a real torchrun (2 ranks on the CPU, gloo),
 rank 1 slowed by an injected cause, both ranks profiled on request while the job runs, and the two
 traces diffed (medic/profile_diff.py). The accuracy over many runs is in BENCHMARKS.md
-(bench/profile_diff.py); the diff's own cases run on recorded traces in tests/domain/test_profile_diff.py."""
+(tests/bench/profile_diff.py); the diff's own cases run on recorded traces in tests/domain/test_profile_diff.py."""
 
 from __future__ import annotations
 

@@ -194,7 +194,7 @@ def test_10_kill_9_mid_flow_lose_no_event_and_leave_no_incident_or_node_behind(r
 def test_a_replica_killed_holding_the_guardrail_slot_stops_no_other_node_action_for_long(
     replicas: Harness,
 ) -> None:
-    """Replica A is killed with SIGKILL while its run holds the one `medic-node-actions` slot (tasks/guard.py)
+    """Replica A is killed with SIGKILL while its run holds the one `medic-node-actions` slot (medic/tasks/nodes/guard.py)
     and started again; a fault on another node posted to B is acted on within 90 s: the slot's lease is
     Prefect's shortest (60 s) and renewed only while held, and Prefect's repossessor frees a lapsed one
     within 15 s more (it used to take 313 s, a 300 s lease never renewed)."""

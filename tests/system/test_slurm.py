@@ -39,8 +39,8 @@ from medic.integrations.slurm import (
 from medic.integrations.slurm.records import SlurmNode
 from medic.protocols import JobState, NodeProvider, NodeState, Reconcilable, Scheduler
 from medic.store import Store
-from medic.tasks.reconcile import reconcile_intents
-from medic.tasks.runtime import Runtime
+from medic.tasks.nodes.reconcile import reconcile_intents
+from medic.tasks.runtime.process import Runtime
 
 pytestmark = pytest.mark.system
 

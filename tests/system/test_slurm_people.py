@@ -16,7 +16,7 @@ from medic.events import FaultEvent, event_time
 from medic.integrations.slurm import SlurmScheduler
 from medic.statuses import ActionStatus
 from medic.store import Store
-from medic.tasks.people import PeopleWatch
+from medic.apps.server.people import PeopleWatch
 
 # tests/slurm_cluster.py's fixtures: a cluster of this module's own.
 cluster = slurm_cluster.cluster
@@ -57,7 +57,7 @@ def test_an_admins_drain_resume_and_reboot_are_stored_ours_are_not_and_nothing_i
     assert drain.time <= datetime.fromisoformat(drain.attributes["seen_at"])
 
     settled.run("scontrol", "update", "nodename=gpu-node-1", "state=resume")
-    # Our resume of our drain: the intent is written before Slurm is asked, as tasks/act.py does.
+    # Our resume of our drain: the intent is written before Slurm is asked, as medic/tasks/act.py does.
     sqlite_store.claim_action("inc-people:gpu-node-2:resume", "inc-people", "gpu-node-2", "resume")
     ours.resume("gpu-node-2")
     sqlite_store.finish_action("inc-people:gpu-node-2:resume", ActionStatus.SUCCEEDED)

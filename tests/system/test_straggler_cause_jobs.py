@@ -1,12 +1,12 @@
 """A named straggler carries why it is slow: the reference job under a real torchrun (3 ranks on the
 CPU, gloo, standing for 2 nodes), rank 1 busy in a Python function, its events read as `medic serve`
 reads them, through the intake differential (medic/culprit.py). The peer detector names rank 1; the
-request files for it and a healthy peer are written as the live path writes them (flows/live.py), the
+request files for it and a healthy peer are written as the live path writes them (medic/flows/live.py), the
 two ranks profile the same steps, the traces are diffed, and the next straggler carries the verdict.
 
 Three ranks: with two, neither stands out against "the others" (medic/peers.py needs two peers and
 fewer than half the ranks named). The diff's accuracy over many runs is in BENCHMARKS.md
-(bench/profile_diff.py)."""
+(tests/bench/profile_diff.py)."""
 
 from __future__ import annotations
 

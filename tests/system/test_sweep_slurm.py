@@ -20,7 +20,7 @@ from medic.integrations.slurm import SlurmCli, SlurmScheduler
 from medic.protocols import DiagnosticResult, JobState
 from medic.store import Store
 from medic.sweep import RESERVATION_PREFIX, NodeBusyError, SweepSettings
-from medic.tasks.runtime import Runtime, configure
+from medic.tasks.runtime.process import Runtime, configure
 from medic.tasks.sweep import sweep_node
 
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("prefect_harness")]

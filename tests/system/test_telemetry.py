@@ -1,4 +1,4 @@
-"""Item 4 of issue 40 at a size the test machine allows (bench/telemetry.py, whose figures are in
+"""Item 4 of issue 40 at a size the test machine allows (tests/bench/telemetry.py, whose figures are in
 BENCHMARKS.md, "At fleet scale"): a job's step timings, one report per rank per 10 steps, each in
 its own POST, through `medic serve` on PostgreSQL with a Prefect server, while fatal XIDs arrive
 beside them. Every report is stored, the slow rank is named in every round, and the fatal nodes

@@ -1,4 +1,4 @@
-"""deployments/training/train.sbatch on the real Slurm cluster of tests/system/test_slurm.py: a rank killed
+"""medic/training/train.sbatch on the real Slurm cluster of tests/system/test_slurm.py: a rank killed
 mid-run is restarted in place by torchrun inside the allocation (`--max-restarts`), resumes from its
 newest checkpoint bit for bit, and the job finishes without Slurm requeueing it. Two nodes, one rank
 each: one torchrun agent per node, as on a real cluster, where only the dead rank's agent counts a

@@ -163,7 +163,7 @@ def test_a_prefect_project_with_its_own_flows_and_tasks_packages_beside_medic(
     )
     # Their flow starts Prefect's embedded server on a new database: a first flow there takes ~24 s on this
     # kind of machine, past Prefect's 20 s start-up bound under load (this test failed once beside others,
-    # passing alone). `medic` itself allows 120 s (apps/cli/app.py); so does this.
+    # passing alone). `medic` itself allows 120 s (medic/apps/cli/app.py); so does this.
     env = clean_env(
         MEDIC_HOME=str(tmp_path / "home"),
         PREFECT_HOME=str(tmp_path / "prefect"),

@@ -1,4 +1,4 @@
-"""deployments/training/medic_hooks.py: the events a training loop reports, read back as FaultEvents.
+"""medic/training/medic_hooks.py: the events a training loop reports, read back as FaultEvents.
 
 The hook library builds its events with the standard library only; these tests hold it to the
 domain model: every line it writes must validate as a `medic.events.FaultEvent` and be the very

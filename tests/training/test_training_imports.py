@@ -1,8 +1,8 @@
 """A training process imports the standard library and torch only: a restart pays for nothing else.
 
-Each check imports the job's modules in a fresh interpreter, from deployments/training as a job
+Each check imports the job's modules in a fresh interpreter, from medic/training as a job
 runs them, with GPU Medic installed in that interpreter: only the job's own imports keep it out.
-bench/resume.py measures what the imports cost.
+tests/bench/resume.py measures what the imports cost.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Recovery measured end to end on a real Slurm cluster: the `measured` profile's source (docs/simulate.md).
 
-The end-to-end recovery benchmark (bench/recovery.py, `python -m bench.recovery`) rewrites the
+The end-to-end recovery benchmark (tests/bench/recovery.py, `PYTHONPATH=tests python -m bench.recovery`) rewrites the
 package's data/recovery-measured.json: for each recovery path, each phase's p50 and p95 in seconds,
 from the fault injected to the job's first completed step after it. This module reads and checks it.
 """
@@ -101,5 +101,5 @@ def shipped() -> Measurement:
     try:
         text = resources.files("medic").joinpath(MEASURED_FILE).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise MeasurementError(f"{where}: missing; `python -m bench.recovery` writes it") from None
+        raise MeasurementError(f"{where}: missing; `PYTHONPATH=tests python -m bench.recovery` writes it") from None
     return parse(text, where)
