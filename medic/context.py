@@ -156,7 +156,44 @@ class Around:
         )
 
 
+class Window(Protocol):
+    """What cross-node conditions read of the cluster around a decision (medic/policy/engine.py): the
+    events of some kinds in a time window, all of them or one node's, job's, switch's or mark's, and
+    the sizes percentages are of. `Context` holds them for a batch (the live path, a replay, the
+    simulator); a stream keeps only what decisions to come can still reach (medic/triage/recent.py)."""
+
+    @property
+    def switch_sizes(self) -> Mapping[str, int]: ...
+    @property
+    def fleet_size(self) -> int | None: ...
+
+    def window(
+        self,
+        kinds: Iterable[EventKind],
+        start: datetime,
+        end: datetime,
+        scope: str | None = None,
+        key: Hashable | None = None,
+    ) -> Iterator[Seen]:
+        """Events of these kinds with start <= time <= end, optionally only those of one node,
+        job, switch or (iteration, rank) `mark`."""
+        ...
+
+    def count(
+        self,
+        kinds: Iterable[EventKind],
+        start: datetime,
+        end: datetime,
+        scope: str | None = None,
+        key: Hashable | None = None,
+    ) -> int:
+        """How many events `window` would give, without touching them."""
+        ...
+
+
 class Context:
+    """A `Window` over a set of events given at once, indexed by kind and scope."""
+
     def __init__(
         self,
         events: Iterable[FaultEvent] = (),

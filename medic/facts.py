@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from medic import dcgm_errors, xid
 from medic.ageing import PastIncident
-from medic.context import EMPTY, Context
+from medic.context import EMPTY, Window
 from medic.dcgm_errors import Severity
 from medic.events import EventKind, FaultEvent
 from medic.incidents import Incident
@@ -175,7 +175,7 @@ class Facts:
     switch: str | None
     dcgm_categories: frozenset[str]
     now: datetime
-    context: Context
+    context: Window
     # NVIDIA's catalog bucket of each XID code (medic/xid.py), and what XID 154 asked for.
     xid_resolutions: frozenset[str] = frozenset()
     recovery_actions: frozenset[str] = frozenset()
@@ -219,7 +219,7 @@ def facts_of(
     *,
     out_of_service: bool = False,
     now: datetime | None = None,
-    context: Context = EMPTY,
+    context: Window = EMPTY,
     gpu_history: tuple[PastIncident, ...] = (),
 ) -> Facts:
     """Distil an incident. `now` ends every time window (defaults to the incident's last event);

@@ -27,15 +27,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from operator import itemgetter
-from typing import NamedTuple
+from typing import Any, NamedTuple, get_origin, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, field_serializer, field_validator
+from pydantic import BaseModel, ConfigDict, create_model, field_serializer, field_validator
 
-from medic.ageing import PastIncident
 from medic.context import Context
-from medic.dcgm_errors import Severity
 from medic.events import EventKind, FaultEvent
-from medic.facts import DiagnosticFact, Facts, facts_of, taken_out_by_us
+from medic.facts import Facts, facts_of, taken_out_by_us
 from medic.incidents import Incident, Scope
 from medic.policy import LoadedPolicy, Mode, groups
 from medic.policy.engine import Ruling, ruling, window
@@ -46,8 +44,16 @@ from medic.whatif.replay_report import Outcome, Redecided, Redecisions, ReplayRe
 _NOT_KEPT = frozenset({"events", "context"})
 
 
-class FactsRecord(BaseModel):
-    """What the engine saw for one decision, as the `decisions.facts` column holds it."""
+_KEPT = tuple(f.name for f in dataclasses.fields(Facts) if f.name not in _NOT_KEPT)
+_FACTS_FIELDS = itemgetter(*(f.name for f in dataclasses.fields(Facts)))
+_FACT_TYPES = get_type_hints(Facts)
+# A set has no order; sorted, the same facts are always the same JSON.
+_SETS = tuple(name for name in _KEPT if get_origin(_FACT_TYPES[name]) is frozenset)
+
+
+class KeptFacts(BaseModel):
+    """What a record of facts adds to the Facts fields it keeps: its format's version, the incident's
+    events by id (the store holds every event for good) and the sizes the percentages were of."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -55,51 +61,12 @@ class FactsRecord(BaseModel):
     event_ids: tuple[str, ...]  # the incident's events at the time, oldest first
     fleet_size: int | None = None  # the guardrails' percentages were of this many nodes
     switch_size: int | None = None  # nodes under the incident's switch, for `fraction_at_least`
-    incident: str
-    node: str
-    nodes: tuple[str, ...]
-    jobs: tuple[str, ...]
-    gpus: tuple[int, ...]
-    event_count: int
-    kinds: frozenset[EventKind]
-    xid_codes: frozenset[int]
-    dcgm_errors: frozenset[str]
-    dcgm_severities: frozenset[Severity]
-    ecc_dbe: int
-    ecc_sbe: int
-    straggler_reports: int
-    straggler_max_ratio: float
-    diagnostics: tuple[DiagnosticFact, ...]
-    out_of_service: bool
-    recent_remediations: int
-    switch: str | None
-    dcgm_categories: frozenset[str]
-    now: datetime
-    xid_resolutions: frozenset[str] = frozenset()
-    recovery_actions: frozenset[str] = frozenset()
-    row_remap: frozenset[str] = frozenset()
-    nvlink_errors: int = 0
-    sxids: frozenset[int] = frozenset()
-    sxid_severities: frozenset[str] = frozenset()
-    gpu_history: tuple[PastIncident, ...] = ()
 
-    @field_serializer(
-        "kinds",
-        "xid_codes",
-        "dcgm_errors",
-        "dcgm_severities",
-        "dcgm_categories",
-        "xid_resolutions",
-        "recovery_actions",
-        "row_remap",
-        "sxids",
-        "sxid_severities",
-    )
+    @field_serializer(*_SETS, check_fields=False)
     def _sorted(self, values: frozenset[str] | frozenset[int]) -> list[str] | list[int]:
-        # A set has no order; sorted, the same facts are always the same JSON.
         return sorted(values)  # type: ignore[return-value]  # str or int, never mixed
 
-    @field_validator("now")
+    @field_validator("now", check_fields=False)
     @classmethod
     def _utc(cls, now: datetime) -> datetime:
         # Read back, a time carries pydantic's own tzinfo. Python compares times of two tzinfo objects
@@ -108,8 +75,17 @@ class FactsRecord(BaseModel):
         return now.astimezone(UTC)
 
 
-_KEPT = tuple(f.name for f in dataclasses.fields(Facts) if f.name not in _NOT_KEPT)
-_FACTS_FIELDS = itemgetter(*(f.name for f in dataclasses.fields(Facts)))
+def _default(field: dataclasses.Field[object]) -> object:
+    return ... if field.default is dataclasses.MISSING else field.default  # ...: required
+
+
+# What the engine saw for one decision, as the `decisions.facts` column holds it: every field of Facts
+# but `_NOT_KEPT`, derived from Facts itself, so a fact added there is kept and replayed with no second
+# list to forget.
+_KEPT_FIELDS: dict[str, Any] = {
+    f.name: (_FACT_TYPES[f.name], _default(f)) for f in dataclasses.fields(Facts) if f.name in _KEPT
+}
+FactsRecord: type[KeptFacts] = create_model("FactsRecord", __base__=KeptFacts, **_KEPT_FIELDS)
 
 
 def record_facts(facts: Facts) -> dict[str, object]:
@@ -124,7 +100,7 @@ def record_facts(facts: Facts) -> dict[str, object]:
     return record.model_dump(mode="json")
 
 
-def facts_from(record: FactsRecord, events: Mapping[str, FaultEvent], context: Context) -> Facts:
+def facts_from(record: KeptFacts, events: Mapping[str, FaultEvent], context: Context) -> Facts:
     """The Facts a decision was made on, its events looked up among the stored ones."""
     # Facts' fields in order, from the record's values: a replay builds hundreds of thousands of
     # Facts, and passed by name they would cost half as much again.
@@ -391,12 +367,12 @@ class _Decider:
             facts = facts_from(kept, self.events, self.context)
         except KeyError:  # one of its events is no longer in the store
             return None
-        if kept.switch and kept.switch_size:
+        if facts.switch and kept.switch_size:
             # The context's: the engine reads the size there.
-            self.switch_sizes[kept.switch] = kept.switch_size
+            self.switch_sizes[facts.switch] = kept.switch_size
             self.sizes_recorded = True
         else:
-            self.sizes_missing |= kept.switch is not None
+            self.sizes_missing |= facts.switch is not None
         faults = [e.time for e in facts.events if e.kind is not EventKind.DIAGNOSTIC]
         self._reads(facts)
         placement = self._placed(facts, scope)
@@ -405,7 +381,7 @@ class _Decider:
             now=now,
             newest_fault=max(faults, default=None),
             fleet_size=kept.fleet_size,
-            switch_size=(kept.switch, kept.switch_size) if kept.switch and kept.switch_size else None,
+            switch_size=(facts.switch, kept.switch_size) if facts.switch and kept.switch_size else None,
             ruling=self._ruling(facts, placement),
             placement=placement,
         )

@@ -27,7 +27,8 @@ from medic.policy import LoadedPolicy, Mode, guardrails
 from medic.policy.guardrails import UNGUARDED, Acting, FleetState, takes_node_out
 from medic.policy.model import Action, Policy
 from medic.policy.selectors import OTHER_NODES
-from medic.triage import GroupLimits, _ReplayedFleet
+from medic.triage.fleet import ReplayedFleet
+from medic.triage.limits import GroupLimits
 
 # The row of the incidents whose node's group cannot be told from its name (no group is named so:
 # group names start with a letter or digit).
@@ -358,7 +359,7 @@ class _Fleet:
 
     def __init__(self, policy: Policy, closed_at: Iterable[datetime]) -> None:
         self.guardrails = policy.guardrails
-        self.fleet = _ReplayedFleet(None)
+        self.fleet = ReplayedFleet(None)
         self.limits = GroupLimits(policy)
         breaker = self.guardrails.circuit_breaker
         self.breaker_window = timedelta(minutes=breaker.window_minutes if breaker else 0)

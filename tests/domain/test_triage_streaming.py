@@ -26,7 +26,9 @@ from medic.facts import facts_of, taken_out_by_us
 from medic.incidents import correlate
 from medic.policy import LoadedPolicy, decide, guardrails, load_policy
 from medic.policy.loader import parse_policy
-from medic.triage import OutOfOrder, Stream, _Ids, _ReplayedFleet, replay, stream
+from medic.triage import OutOfOrder, Stream, replay, stream
+from medic.triage.fleet import ReplayedFleet
+from medic.triage.ids import EventIds
 
 REPO = REPO_ROOT
 DEFAULT = load_policy(REPO / "policies" / "default.yaml")
@@ -74,7 +76,7 @@ def batch(events: list[FaultEvent], loaded: LoadedPolicy, fleet_size: int | None
     """The reference: the whole input at once."""
     policy = loaded.policy
     context = Context(events, fleet_size=fleet_size)
-    fleet = _ReplayedFleet(fleet_size)
+    fleet = ReplayedFleet(fleet_size)
     window = timedelta(minutes=policy.defaults.incident_window_minutes)
     results = []
     for incident in correlate(events, window, policy.storms()):
@@ -235,8 +237,8 @@ rules:
 @pytest.mark.parametrize("wide_from", [2**32, 1_000])
 def test_ids_are_remembered_compactly_and_exactly(monkeypatch: pytest.MonkeyPatch, wide_from: int) -> None:
     # Past `WIDE_FROM` bytes of ids (4 GiB; here 1,000 too) a slot takes eight bytes: still exact.
-    monkeypatch.setattr("medic.triage.WIDE_FROM", wide_from)
-    ids = _Ids()
+    monkeypatch.setattr("medic.triage.ids.WIDE_FROM", wide_from)
+    ids = EventIds()
     assert all(ids.add(f"ev-{i}") for i in range(20_000))
     assert not any(ids.add(f"ev-{i}") for i in range(20_000))
     assert ids.add("ev-20000")

@@ -1,4 +1,4 @@
-"""`medic triage`: events in, one decision per incident out, nothing acted on. No Prefect needed.
+"""`medic triage`'s engine: events in, one decision per incident out, nothing acted on. No Prefect needed.
 
 The JSON form of `TriageLine` is a public contract (docs/triage.md); tests pin it.
 
@@ -20,134 +20,22 @@ a fact not given cannot be told, and the incident escalates, as a live one does.
 from __future__ import annotations
 
 import heapq
-from array import array
-from bisect import bisect_left, bisect_right
-from collections import Counter, deque
-from collections.abc import Callable, Generator, Hashable, Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
-from typing import IO, Literal
-
-from pydantic import BaseModel, ConfigDict
+from datetime import datetime, timedelta
 
 from medic.ageing import PastIncident
-from medic.context import Context, Seen, Trace, index_keys, series_key, trace
-from medic.culprit import Differential
 from medic.errors import MedicError
 from medic.events import EventKind, FaultEvent
 from medic.facts import HISTORY_WINDOW, RETURNS, TAKES_OUT, Facts, facts_of, taken_out_by_us
-from medic.incidents import Incident, Scope, Storms, incident_id
-from medic.intake import Rejection, bounded_lines, parse_line
-from medic.policy import LoadedPolicy, Mode, Policy, decide, groups, guardrails
-from medic.policy.guardrails import HOUR, Acting, FleetState, takes_node_out
-from medic.policy.model import DESTRUCTIVE, Action, Decision
+from medic.incidents import Incident, Storms, incident_id
+from medic.policy import LoadedPolicy, Mode, decide, groups, guardrails
+from medic.policy.model import Decision
 from medic.protocols import NodeInfo
-
-
-class TriageLine(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    incident: str
-    nodes: list[str]
-    classification: Literal["hardware", "software", "infrastructure", "unknown"]
-    action: Literal["none", "diagnose", "reset_gpu", "reboot", "replace", "drain", "reintegrate", "escalate"]
-    diagnose_level: int | None
-    rule: str
-    reason: str
-    # Added within schema version 1 (docs/triage.md): the node's group and mode, and why no group
-    # could be told (the incident is then escalated, its mode observe).
-    group: str | None = None
-    mode: Literal["observe", "contain", "remediate"] = "remediate"
-    group_problem: str | None = None
-
-
-def triage_line(replayed: Replayed) -> TriageLine:
-    decision = replayed.decision
-    return TriageLine(
-        incident=replayed.incident.id,
-        nodes=replayed.incident.nodes,
-        classification=decision.classification.value,
-        action=decision.action.value,
-        diagnose_level=decision.diagnose_level,
-        rule=decision.rule,
-        reason=decision.reason,
-        group=decision.group,
-        mode=decision.mode.value,
-        group_problem=replayed.placement.problem,
-    )
-
-
-@dataclass(slots=True)
-class _ReplayedFleet:
-    """The fleet as the decisions so far would have left it: what the guardrails look at."""
-
-    fleet_size: int | None
-    out_of_service: set[str] = field(default_factory=set)
-    destructive_at: list[datetime] = field(default_factory=list)
-    last_destructive: dict[str, datetime] = field(default_factory=dict)
-    taken_out_at: dict[str, datetime] = field(default_factory=dict)
-    breaker_open: bool = False
-
-    def state(self, now: datetime, opened: datetime) -> FleetState:
-        # Incidents come in order of opening, and every later decision happens after `opened`:
-        # actions more than an hour before it can never matter again. Dropping them keeps a
-        # replay of a week of events linear. The snapshot shares the set and dicts (it is only
-        # read): a copy of every node out of service, per decision, would cost more than deciding.
-        self.destructive_at = [at for at in self.destructive_at if at >= opened - HOUR]
-        return FleetState(
-            now=now,
-            fleet_size=self.fleet_size,
-            out_of_service=self.out_of_service,
-            destructive_at=tuple(self.destructive_at),
-            last_destructive=self.last_destructive,
-            taken_out_at=self.taken_out_at,
-            breaker_open=self.breaker_open,
-        )
-
-    def record(self, node: str, now: datetime, decision: Acting) -> None:
-        if decision.guardrail == "circuit_breaker":
-            self.breaker_open = True
-        if takes_node_out(decision):
-            self.taken_out_at[node] = now
-            self.out_of_service.add(node)
-        if decision.action in DESTRUCTIVE:
-            self.destructive_at.append(now)
-            self.last_destructive[node] = now
-        if decision.action in DESTRUCTIVE or decision.action is Action.REINTEGRATE:
-            # The flow verifies a repaired node and returns it; a drain or a long
-            # diagnostic keeps it out until a later decision says otherwise.
-            self.out_of_service.discard(node)
-
-    def forget_taken_out_before(self, moment: datetime) -> None:
-        """Drop when nodes went out before `moment`: no later decision's breaker window reaches it."""
-        self.taken_out_at = {node: at for node, at in self.taken_out_at.items() if at >= moment}
-
-
-class GroupLimits:
-    """Each node group's own guardrails, held over the decisions on its own nodes as a replay's
-    decisions so far would have left them, after the policy's over the fleet (as `check_rails` in
-    medic/tasks/nodes/evidence.py holds them live). How many nodes a group has is the scheduler's to say: only
-    the count limits apply."""
-
-    def __init__(self, policy: Policy) -> None:
-        self.rails = {g.name: r for g in policy.groups if (r := groups.group_rails(policy, g)) is not None}
-        self.fleets = {name: _ReplayedFleet(None) for name in self.rails}
-
-    def check(
-        self, group: str | None, now: datetime, opened: datetime, node: str, decision: Acting, scope: Scope
-    ) -> tuple[str, str] | None:
-        """The first of the group's limits the decision would break, as (name, why); None when all hold."""
-        rails = self.rails.get(group) if group is not None else None
-        if group is None or rails is None:
-            return None
-        hit = guardrails.check(rails, self.fleets[group].state(now, opened), node, decision, scope)
-        return (hit[0], f"{hit[1]} in group {group}") if hit else None
-
-    def record(self, group: str | None, node: str, now: datetime, decision: Acting) -> None:
-        fleet = self.fleets.get(group) if group is not None else None
-        if fleet is not None:
-            fleet.record(node, now, decision)
+from medic.triage.fleet import ReplayedFleet
+from medic.triage.limits import GroupLimits
+from medic.triage.recent import MICROSECOND, Key, RecentWindow, lookbacks, micros
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,224 +96,8 @@ def triage(
         yield replayed.incident, replayed.decision
 
 
-class _Ids:
-    """The event ids seen so far, exactly, in two flat arrays: each id's UTF-8 bytes after a
-    two-byte length in one buffer, and an open-addressing table of where each starts. About 20
-    bytes an id, where a set of strings costs about 100: the one thing triage keeps for the whole
-    input, so that a repeated id is dropped wherever it comes. Ids are compared whole, so no two
-    different ids are confused.
-
-    A slot is a C unsigned int (four bytes) while the buffer is under 4 GiB, eight bytes past that:
-    at a million ids the table is 8 MiB, not 16. No hash bits fit beside the start, so a probe
-    compares the id itself; with at most half the slots used, an id new to the table (most are)
-    meets one used slot on average."""
-
-    __slots__ = ("_ids", "_slots", "_used")
-
-    def __init__(self) -> None:
-        self._ids = bytearray()
-        self._slots = array("I", bytes(4 * 1024))  # 0: empty; else where the id starts, plus 1
-        self._used = 0
-
-    @property
-    def nbytes(self) -> int:
-        """The memory the two arrays take."""
-        return len(self._ids) + len(self._slots) * self._slots.itemsize
-
-    def add(self, event_id: str) -> bool:
-        """Remember `event_id`: True if it is new."""
-        data = event_id.encode("utf-8", "surrogatepass")  # ids are at most 200 characters
-        stored = len(data).to_bytes(2, "little") + data  # as the buffer holds it
-        entry = len(self._ids) + 1
-        if entry >= WIDE_FROM and self._slots.typecode == "I":
-            self._slots = array("Q", self._slots)
-        if not self._put(stored, entry):
-            return False
-        self._ids += stored
-        self._used += 1
-        if self._used * 2 > len(self._slots):
-            self._grow()
-        return True
-
-    def _put(self, stored: bytes, entry: int) -> bool:
-        """Put `entry` in the first free slot for the id `stored` (its length, then its bytes),
-        unless the id is there already."""
-        slots, ids = self._slots, self._ids
-        mask = len(slots) - 1
-        index = hash(stored) & mask
-        while found := slots[index]:
-            if ids[found - 1 : found - 1 + len(stored)] == stored:
-                return False
-            index = (index + 1) & mask
-        slots[index] = entry
-        return True
-
-    def _grow(self) -> None:
-        old = self._slots
-        self._slots = array(old.typecode, bytes(2 * len(old) * old.itemsize))
-        ids = self._ids
-        for found in old:
-            if found:
-                end = found + 1 + int.from_bytes(ids[found - 1 : found + 1], "little")
-                self._put(bytes(ids[found - 1 : end]), found)
-
-
-WIDE_FROM = 2 ** (8 * array("I").itemsize)  # the first slot value (a start, plus 1) "I" cannot hold
-
-
-@dataclass(slots=True)
-class EventReader:
-    """A file's events, one line at a time, as `medic.intake.read_file` takes them: blank lines
-    skipped, an id seen before dropped (and kept in `duplicates`). `chars` counts what has been
-    read, for progress."""
-
-    handle: IO[str]
-    name: str
-    rejected: int = 0
-    duplicates: list[str] = field(default_factory=list)
-    chars: int = 0
-
-    def __enter__(self) -> EventReader:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.handle.close()
-
-    def events(self, on_rejected: Callable[[Rejection], None]) -> Generator[FaultEvent]:
-        """The events, in file order; a line that is not an event goes to `on_rejected` as it comes."""
-        seen = _Ids()
-        differential = Differential()  # as medic.intake.read_lines: culprits, not victims
-        for number, raw in enumerate(bounded_lines(self.handle), start=1):
-            self.chars += len(raw)
-            text = raw.strip()
-            if not text:
-                continue
-            parsed = parse_line(text, f"{self.name}:{number}")
-            if isinstance(parsed, Rejection):
-                self.rejected += 1
-                on_rejected(parsed)
-            elif not seen.add(parsed.id):
-                self.duplicates.append(parsed.id)
-            else:
-                yield from differential.push(parsed)
-        yield from differential.flush()
-
-
-def read_file(path: Path) -> EventReader:
-    """`path` opened to be read one event at a time; raises `OSError` when it cannot be opened.
-
-    The streaming twin of `medic.intake.read_file`, which reads the whole file at once."""
-    # utf-8-sig and replace, as medic.intake.read_file: the same text gives the same events.
-    return EventReader(path.open(encoding="utf-8-sig", errors="replace"), str(path))
-
-
-# Times in the stream are integer microseconds since the epoch: the same order as the aware
-# datetimes, without the time-zone arithmetic each datetime comparison costs.
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-MICROSECOND = timedelta(microseconds=1)
-Key = tuple[int, str]  # (time, id): the order of events, and of incidents by their first event
-
-
-def _micros(moment: datetime) -> int:
-    return (moment - EPOCH) // MICROSECOND
-
-
 def _order(event: FaultEvent) -> tuple[datetime, str]:
     return event.time, event.id
-
-
-def _lookbacks(policy: Policy) -> dict[EventKind, timedelta]:
-    """How far back cross-node conditions look, per kind they count: the context worth keeping."""
-    reach: dict[EventKind, timedelta] = {}
-    for rule in policy.every_rule():  # a group's rules count too, for its nodes
-        spans = [(c.event_kinds(), c.within_minutes) for c in rule.when.count or ()]
-        if rule.when.switch:
-            spans.append((tuple(rule.when.switch.kinds), rule.when.switch.within_minutes))
-        for kinds, minutes in spans:
-            for kind in kinds:
-                reach[kind] = max(reach.get(kind, timedelta()), timedelta(minutes=minutes))
-    return reach
-
-
-@dataclass(slots=True)
-class _Series:
-    """The events of one index entry, in time order, with their times (microseconds) to bisect."""
-
-    events: list[Trace] = field(default_factory=list)
-    times: list[int] = field(default_factory=list)
-
-
-class _Recent(Context):
-    """The context of a stream: events added in time order, dropped once no decision to come can
-    look back at them. Only the kinds some condition counts are kept (no other is ever asked for),
-    each event as a `Trace` of what those conditions read. Indexed as `Context` indexes (by kind, and
-    by kind and node, job, switch or mark)."""
-
-    def __init__(self, lookbacks: dict[EventKind, timedelta], fleet_size: int | None) -> None:
-        super().__init__(fleet_size=fleet_size)
-        self._lookbacks = lookbacks
-        self._index: dict[tuple[Hashable, ...], _Series] = {}
-        self._arrivals: dict[EventKind, deque[tuple[int, Trace]]] = {}  # in time order, per kind
-        self.entries = 0  # events held, counted once per index entry they are in
-
-    def add(self, event: FaultEvent, at: int) -> None:
-        if event.kind not in self._lookbacks:
-            return
-        kept = trace(event)
-        for entry in index_keys(kept):
-            series = self._index.get(entry)
-            if series is None:
-                series = self._index[entry] = _Series()
-            series.events.append(kept)
-            series.times.append(at)
-            self.entries += 1
-        self._arrivals.setdefault(event.kind, deque()).append((at, kept))
-
-    def window(
-        self,
-        kinds: Iterable[EventKind],
-        start: datetime,
-        end: datetime,
-        scope: str | None = None,
-        key: Hashable | None = None,
-    ) -> Iterator[Seen]:
-        low, high = _micros(start), _micros(end)
-        for kind in kinds:
-            series = self._index.get(series_key(kind, scope, key))
-            if series is not None:
-                yield from series.events[bisect_left(series.times, low) : bisect_right(series.times, high)]
-
-    def count(
-        self,
-        kinds: Iterable[EventKind],
-        start: datetime,
-        end: datetime,
-        scope: str | None = None,
-        key: Hashable | None = None,
-    ) -> int:
-        low, high = _micros(start), _micros(end)
-        found = 0
-        for kind in kinds:
-            series = self._index.get(series_key(kind, scope, key))
-            if series is not None:
-                found += bisect_right(series.times, high) - bisect_left(series.times, low)
-        return found
-
-    def forget_before(self, moment: int) -> None:
-        """Drop what no window ending at `moment` or later reaches: each kind's oldest events
-        first, which are the first of every index entry they are in."""
-        gone: Counter[tuple[Hashable, ...]] = Counter()
-        for kind, arrivals in self._arrivals.items():
-            cutoff = moment - self._lookbacks[kind] // MICROSECOND
-            while arrivals and arrivals[0][0] < cutoff:
-                gone.update(index_keys(arrivals.popleft()[1]))
-        for entry, count in gone.items():
-            series = self._index[entry]
-            if count == len(series.times):
-                del self._index[entry]
-            else:
-                del series.events[:count], series.times[:count]
-        self.entries -= gone.total()
 
 
 @dataclass(slots=True)
@@ -493,8 +165,8 @@ class Stream:
         self.storm_kinds = self.storms.kinds
         breaker = policy.guardrails.circuit_breaker
         self.breaker_window = timedelta(minutes=breaker.window_minutes if breaker else 0)
-        self.context = _Recent(_lookbacks(policy), fleet_size)
-        self.fleet = _ReplayedFleet(fleet_size)
+        self.context = RecentWindow(lookbacks(policy), fleet_size)
+        self.fleet = ReplayedFleet(fleet_size)
         self.group_limits = GroupLimits(policy)
         self.prune_every = prune_every
         self.since_pruning = 0
@@ -530,7 +202,7 @@ class Stream:
         return len(self.pending) + len(self.held) + open_events + ready_events
 
     def push(self, event: FaultEvent) -> Iterator[Replayed]:
-        key = (_micros(event.time), event.id)
+        key = (micros(event.time), event.id)
         if self.passed is not None and key < self.passed:
             raise OutOfOrder(
                 f"event {event.id} at {event.time.isoformat()} comes after a later one passed on: "
@@ -591,7 +263,7 @@ class Stream:
                 events=burst.events,
                 scope="switch",
             )
-            heapq.heappush(self.ready, ((_micros(first.time), first.id), self._next(), incident))
+            heapq.heappush(self.ready, ((micros(first.time), first.id), self._next(), incident))
 
     def _release_held(self) -> None:
         while self.held and (self.held[0][2] is None or self.held[0][2].storm is not None):
