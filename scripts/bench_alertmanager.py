@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]  # the tests' harness, as pytest sees it
+sys.path[:0] = [str(REPO / "tests")]  # the tests' harness, as pytest sees it
 
 from prometheus_stack import running  # noqa: E402
 from replicas_support import write_policy  # noqa: E402

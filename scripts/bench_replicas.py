@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]  # bench/ and the tests' harness, as pytest sees them
+sys.path[:0] = [str(REPO / "tests")]  # tests/bench and the tests' harness, as pytest sees them
 
+from bench.prefect_server import DEFAULT_ADMIN_URL, prefect_on_postgres  # noqa: E402
 from replicas_support import (  # noqa: E402
     ACTIVE,
     TERMINAL,
@@ -51,8 +52,6 @@ from replicas_support import (  # noqa: E402
     simultaneous_faults,
     summarize,
 )
-
-from bench.prefect_server import DEFAULT_ADMIN_URL, prefect_on_postgres  # noqa: E402
 
 SCENARIOS = ("duplicates", "simultaneous", "kills")  # issue 14's; "slot" runs only when named
 

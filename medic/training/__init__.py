@@ -4,3 +4,8 @@ They run inside someone else's training processes: the hook library and the chec
 the standard library only, and nothing here imports the rest of GPU Medic
 (tests/training/test_training_imports.py).
 """
+
+# The repository's medic/training/ links here: with the root on sys.path this file would load a second time as
+# `deployments.training`, a second copy of every module and its state (docs/decisions/0012).
+if __name__ != "medic.training":
+    raise ImportError(f"{__name__} is medic.training: import it by that name (docs/decisions/0012)")

@@ -13,17 +13,9 @@ of incidents, and by their number of incidents the policy did not blame on the a
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from typing import Any
 
-from bench import REPO_ROOT
-from bench.report import Stats, num, table
-from medic.ageing import assess, readings_of
-from medic.policy import load_policy
-
-# The planted-lemon history is a test helper (tests/lemons.py), not part of the product.
-sys.path.insert(0, str(REPO_ROOT / "tests"))
 from lemons import (
     LemonParams,
     by_incident_count,
@@ -32,6 +24,11 @@ from lemons import (
     score_health,
     simulate_history,
 )
+
+from bench import REPO_ROOT
+from bench.report import Stats, num, table
+from medic.ageing import assess, readings_of
+from medic.policy import load_policy
 
 SEEDS = range(1, 11)
 DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"

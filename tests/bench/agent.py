@@ -21,12 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nvml_support import ShimState, build_shim, shim_env
+
 from bench import REPO_ROOT
 from bench.report import num, table
-
-# The shim and its state file live with the tests that use it most.
-sys.path.insert(0, str(REPO_ROOT / "tests"))
-from nvml_support import ShimState, build_shim, shim_env
 
 POLL_S = 1.0
 MEASURE_S = 30.0

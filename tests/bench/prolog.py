@@ -19,15 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nvidia_smi import answer_with_shim, answers, fields, recorded
+from nvml_support import ShimState, build_shim, shim_env
+
 from bench import REPO_ROOT
 from bench.report import Stats, ms, num, table
 from medic.integrations.dcgm.runner import DEFAULT_TERM_GRACE_S
 from medic.preflight import DEFAULT_BUDGET_S
-
-# The shim, its state and the recorded node live with the tests that use them most.
-sys.path.insert(0, str(REPO_ROOT / "tests"))
-from nvidia_smi import answer_with_shim, answers, fields, recorded
-from nvml_support import ShimState, build_shim, shim_env
 
 READS = 200  # quick-check reads in one process
 RUNS = 10  # prolog processes
