@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from medic.artifacts import Artifact
+from medic.events import FaultEvent
 
 
 class NodeState(StrEnum):
@@ -62,6 +63,14 @@ class JobInfo:
     owner: str | None = None
     step: int | None = None  # the last training step the job reported
     restarts: int = 0
+
+
+class NodeChangeWatch(Protocol):
+    """What people did to nodes since the last poll, as `node_state` events (decision 0019): the
+    scheduler's own record compared with the last one read, GPU Medic's own changes left out. The
+    first poll is the baseline and says nothing."""
+
+    def poll(self) -> list[FaultEvent]: ...
 
 
 @runtime_checkable

@@ -16,6 +16,7 @@ import pytest
 from checkout import TEST_FIXTURES
 from sqlmodel import select
 
+from medic.apps.server.people import GRACE, PeopleWatch, interval_s, ours_in
 from medic.events import FaultEvent
 from medic.integrations.slurm.cli import SlurmCli
 from medic.integrations.slurm.errors import SlurmUnreachableError
@@ -24,7 +25,6 @@ from medic.integrations.slurm.watch import NodeWatch
 from medic.statuses import ActionStatus
 from medic.store import Store
 from medic.store.tables import ActionRecord
-from medic.apps.server.people import GRACE, PeopleWatch, interval_s, ours_in
 
 FIXTURES = TEST_FIXTURES / "slurm"
 NEWER = [g for g in GENERATIONS if g >= 39]
@@ -219,15 +219,21 @@ class ListingCli(SlurmCli):
 def test_each_poll_is_one_command_once_the_release_is_known(sqlite_store: Store) -> None:
     doc = load("v0.0.42-scontrol-show-nodes.json")
     cli = ListingCli(all_idle(doc), doc, doc)
-    watch = PeopleWatch(sqlite_store, cli)
+    watch = PeopleWatch(sqlite_store, NodeWatch(cli, ours_in(sqlite_store)))
     assert [watch.poll() for _ in range(3)] == [0, 7, 0]
     assert cli.commands == [("sinfo", "--json"), *[("scontrol", "--json", "show", "nodes")] * 3]
 
 
 def test_two_replicas_store_each_change_once(sqlite_store: Store) -> None:
     """Replicas poll at their own moments; the ids come from Slurm's times, so the store keeps one."""
-    first = PeopleWatch(sqlite_store, ListingCli(recorded("a"), recorded("b"), recorded("c")))
-    second = PeopleWatch(sqlite_store, ListingCli(recorded("a"), recorded("b"), recorded("c")))
+    first = PeopleWatch(
+        sqlite_store,
+        NodeWatch(ListingCli(recorded("a"), recorded("b"), recorded("c")), ours_in(sqlite_store)),
+    )
+    second = PeopleWatch(
+        sqlite_store,
+        NodeWatch(ListingCli(recorded("a"), recorded("b"), recorded("c")), ours_in(sqlite_store)),
+    )
     first.watch.clock = lambda: SEEN
     assert (first.poll(), second.poll()) == (0, 0)
     assert (first.poll(), second.poll()) == (1, 0)
@@ -247,7 +253,7 @@ def test_a_failed_poll_is_logged_and_the_next_one_compares_with_the_last_listing
 ) -> None:
     """slurmctld down for a poll: serve goes on, and the change made meanwhile is still reported."""
     cli = ListingCli(recorded("a"))
-    watch = PeopleWatch(sqlite_store, cli)
+    watch = PeopleWatch(sqlite_store, NodeWatch(cli, ours_in(sqlite_store)))
 
     async def run() -> None:
         task = asyncio.create_task(watch.forever(0.01))

@@ -14,15 +14,15 @@ from checkout import REPO_ROOT
 from factories import event_dict, fault_event
 from fastapi.testclient import TestClient
 
-from medic.apps.cli.serve import _people
+from medic.apps.cli.serve import people_watch
 from medic.apps.server.app import create_app
+from medic.apps.server.people import PeopleWatch
 from medic.events import FaultEvent
 from medic.flows.live import LiveDispatcher
 from medic.integrations import registry
 from medic.integrations.slurm import SlurmCli, SlurmScheduler
 from medic.policy import load_policy
 from medic.store import Store
-from medic.apps.server.people import PeopleWatch
 from medic.tasks.runtime.process import Runtime
 from medic.triage import stream
 
@@ -87,17 +87,17 @@ def test_serve_polls_slurm_beside_a_slurm_scheduler_only(
     slurm = registry.simulated()[0]
     slurm.scheduler = SlurmScheduler(SlurmCli("/etc/slurm/test.conf", timeout_s=30))
     monkeypatch.delenv("MEDIC_SLURM_WATCH_SECONDS", raising=False)
-    assert _people(Runtime(sqlite_store, simulated, DEFAULT_POLICY)) is None
-    watch = _people(Runtime(sqlite_store, slurm, DEFAULT_POLICY))
+    assert people_watch(Runtime(sqlite_store, simulated, DEFAULT_POLICY)) is None
+    watch = people_watch(Runtime(sqlite_store, slurm, DEFAULT_POLICY))
     assert watch is not None
     poller, every_s = watch
     assert isinstance(poller, PeopleWatch) and every_s == 30.0
     assert (poller.watch.cli.slurm_conf, poller.watch.cli.timeout_s) == ("/etc/slurm/test.conf", 30)
     monkeypatch.setenv("MEDIC_SLURM_WATCH_SECONDS", "10")
-    watch = _people(Runtime(sqlite_store, slurm, DEFAULT_POLICY))
+    watch = people_watch(Runtime(sqlite_store, slurm, DEFAULT_POLICY))
     assert watch is not None and watch[0].watch.cli.timeout_s == 10  # no poll outlives its interval
     monkeypatch.setenv("MEDIC_SLURM_WATCH_SECONDS", "0")
-    assert _people(Runtime(sqlite_store, slurm, DEFAULT_POLICY)) is None
+    assert people_watch(Runtime(sqlite_store, slurm, DEFAULT_POLICY)) is None
     monkeypatch.setenv("MEDIC_SLURM_WATCH_SECONDS", "often")
     with pytest.raises(ValueError, match="MEDIC_SLURM_WATCH_SECONDS='often'"):
-        _people(Runtime(sqlite_store, slurm, DEFAULT_POLICY))
+        people_watch(Runtime(sqlite_store, slurm, DEFAULT_POLICY))

@@ -12,11 +12,12 @@ import pytest
 import slurm_cluster
 from slurm_cluster import Cluster, until
 
+from medic.apps.server.people import PeopleWatch, ours_in
 from medic.events import FaultEvent, event_time
 from medic.integrations.slurm import SlurmScheduler
+from medic.integrations.slurm.watch import NodeWatch
 from medic.statuses import ActionStatus
 from medic.store import Store
-from medic.apps.server.people import PeopleWatch
 
 # tests/slurm_cluster.py's fixtures: a cluster of this module's own.
 cluster = slurm_cluster.cluster
@@ -43,7 +44,7 @@ def changes(store: Store) -> list[tuple[str, str, str | None, str | None]]:
 def test_an_admins_drain_resume_and_reboot_are_stored_ours_are_not_and_nothing_is_remediated(
     settled: Cluster, sqlite_store: Store
 ) -> None:
-    watch = PeopleWatch(sqlite_store, settled.cli)
+    watch = PeopleWatch(sqlite_store, NodeWatch(settled.cli, ours_in(sqlite_store)))
     assert watch.poll() == 0  # the baseline
     ours = SlurmScheduler(settled.cli)
 

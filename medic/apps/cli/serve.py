@@ -23,9 +23,9 @@ from medic.apps.server.emit import DEFAULT_URL, TOKEN_ENV, URL_ENV, build_event,
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
+    from medic.apps.server.people import PeopleWatch
     from medic.apps.server.slack import SlackCallbacks
     from medic.flows.live import LiveDispatcher
-    from medic.apps.server.people import PeopleWatch
     from medic.tasks.runtime.process import Runtime
 
 
@@ -60,7 +60,7 @@ def serve(
     embedded.claim()  # before the warm-up starts this service's own embedded server
     dispatcher, slack = _remediation(dispatch, port)
     try:
-        people = _people(dispatcher.rt)
+        people = people_watch(dispatcher.rt)
     except ValueError as error:
         err.print(f"[red]error:[/red] {escape(str(error))}")
         raise typer.Exit(2) from None
@@ -119,11 +119,12 @@ def _remediation(dispatch: Dispatch, port: int) -> tuple[LiveDispatcher, SlackCa
     return dispatcher, slack
 
 
-def _people(rt: Runtime) -> tuple[PeopleWatch, float] | None:
+def people_watch(rt: Runtime) -> tuple[PeopleWatch, float] | None:
     """The watch of what people do to nodes in Slurm, and its interval: only beside a Slurm scheduler,
     and not with MEDIC_SLURM_WATCH_SECONDS=0 (docs/decisions/0019)."""
+    from medic.apps.server.people import PeopleWatch, interval_s, ours_in
     from medic.integrations.slurm import SlurmCli, SlurmScheduler
-    from medic.apps.server.people import PeopleWatch, interval_s
+    from medic.integrations.slurm.watch import NodeWatch
 
     every_s = interval_s(os.environ)
     scheduler = rt.backends.scheduler
@@ -132,7 +133,7 @@ def _people(rt: Runtime) -> tuple[PeopleWatch, float] | None:
     # Its own client: one listing per interval, and a slurmctld that does not answer within it is a
     # failed poll, not a pile of waiting ones.
     cli = SlurmCli(scheduler.cli.slurm_conf, timeout_s=min(every_s, scheduler.cli.timeout_s))
-    return PeopleWatch(rt.store, cli), every_s
+    return PeopleWatch(rt.store, NodeWatch(cli, ours_in(rt.store))), every_s
 
 
 def _background(

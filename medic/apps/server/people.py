@@ -1,5 +1,6 @@
-"""What people did to nodes, stored as events: `medic serve` polls Slurm's node listing and stores each
-change GPU Medic did not make as a `node_state` event (docs/decisions/0019-human-actions-as-events.md).
+"""What people did to nodes, stored as events: `medic serve` polls the scheduler's record of its nodes
+(a `NodeChangeWatch`: Slurm's node listing, medic/integrations/slurm/watch.py) and stores each change GPU Medic
+did not make as a `node_state` event (docs/decisions/0019-human-actions-as-events.md).
 
 They are stored only: no incident, no flow run, no action. A change GPU Medic made is left out: a reason
 it set (medic/integrations/slurm/watch.py), or one of its node actions under way on that node between the two
@@ -13,12 +14,15 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import anyio
 
-from medic.integrations.slurm.cli import SlurmCli
-from medic.integrations.slurm.watch import Change, NodeWatch, Ours
+from medic.protocols import NodeChangeWatch
 from medic.store import Store
+
+if TYPE_CHECKING:
+    from medic.integrations.slurm.watch import Change, Ours
 
 log = logging.getLogger("medic.people")
 
@@ -71,11 +75,11 @@ def ours_in(store: Store) -> Ours:
 
 
 class PeopleWatch:
-    """One NodeWatch whose events go to the store, once each whichever replica saw them first."""
+    """One watch whose events go to the store, once each whichever replica saw them first."""
 
-    def __init__(self, store: Store, cli: SlurmCli) -> None:
+    def __init__(self, store: Store, watch: NodeChangeWatch) -> None:
         self.store = store
-        self.watch = NodeWatch(cli, ours_in(store))
+        self.watch = watch
 
     def poll(self) -> int:
         """One poll; how many events were stored (another replica may have stored some first)."""
