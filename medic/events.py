@@ -306,15 +306,15 @@ def value_problem(value: Any, path: str = "") -> str | None:
         state = _IN_ATTRIBUTES
     else:
         state = _OUTSIDE
-    return _first_problem(value, path) if _any_problem(value, state) else None
+    return first_problem(value, path) if _any_problem(value, state) else None
 
 
-# Where a container is, for `_any_problem`: as `_first_problem` tells it from the path it builds.
+# Where a container is, for `_any_problem`: as `first_problem` tells it from the path it builds.
 _ROOT, _OUTSIDE, _IN_ATTRIBUTES = 0, 1, 2
 
 
 def _any_problem(value: Any, state: int) -> bool:
-    """Whether `_first_problem` finds something: the same checks, with no path built."""
+    """Whether `first_problem` finds something: the same checks, with no path built."""
     items = 0
     stack: list[tuple[Any, int]] = [(value, state)]
     while stack:
@@ -373,7 +373,7 @@ def _leaf_problem(item: Any) -> bool:
     return False
 
 
-def _first_problem(value: Any, path: str) -> str | None:
+def first_problem(value: Any, path: str) -> str | None:
     items = 0
     stack: list[tuple[Any, str]] = [(value, path)]
     while stack:

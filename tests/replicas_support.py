@@ -54,12 +54,12 @@ from typing import Any, NamedTuple, TypeVar
 
 import httpx
 import yaml
+from bench.prefect_server import fresh_database as bench_database
 from checkout import REPO_ROOT
 from factories import event_dict
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import Engine
 
-from bench.prefect_server import fresh_database as bench_database
 from medic.policy import load_policy
 from medic.store.events import NO_INCIDENT_KINDS
 from medic.store.migrate import VERSION_TABLE

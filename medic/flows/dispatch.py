@@ -11,9 +11,9 @@ from medic.incidents import Incident, correlate
 from medic.intake import Intake
 from medic.statuses import TERMINAL_INCIDENT_STATUSES, IncidentStatus
 from medic.store.tables import IncidentRecord
-from medic.tasks.runtime import prefect_events
 from medic.tasks.nodes.evidence import storms
 from medic.tasks.nodes.reconcile import reconcile_intents
+from medic.tasks.runtime import prefect_events
 from medic.tasks.runtime.process import Runtime
 
 

@@ -15,11 +15,14 @@ would have been; in contain mode a repair waits for a human's approval, its node
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
+from datetime import datetime
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_link_artifact, acreate_markdown_artifact
 from prefect.client.orchestration import get_client
+from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 from prefect.states import State
 from prefect.utilities.urls import url_for
@@ -43,10 +46,10 @@ from medic.tasks.act import ActOutcome, act
 from medic.tasks.close import close
 from medic.tasks.decide import decide_incident
 from medic.tasks.nodes.guard import ensure_limits
+from medic.tasks.nodes.spares import lend_spare
 from medic.tasks.notify import IncidentThread
 from medic.tasks.resume import ResumeOutcome, moved_jobs, restart_hung_job, resume_job
 from medic.tasks.runtime.process import current
-from medic.tasks.nodes.spares import lend_spare
 from medic.tasks.runtime.stage import stage
 from medic.tasks.triage import Triage, triage
 from medic.tasks.verify import VerifyOutcome, verify, verify_budget_s
@@ -104,7 +107,7 @@ def in_place(node: str, jobs: list[str]) -> str:
     )
 
 
-def _summary(
+def summary_of(
     decision: Decision,
     acted: ActOutcome,
     resumed: ResumeOutcome | None,
@@ -123,7 +126,7 @@ def _summary(
     return "; ".join(parts)
 
 
-def _message(triaged: Triage, decision: Decision, evidence: list[FaultEvent]) -> Message:
+def first_message(triaged: Triage, decision: Decision, evidence: list[FaultEvent]) -> Message:
     kinds = sorted({e.kind.value for e in evidence})
     summary = f"Evidence: {len(evidence)} events ({', '.join(kinds)})"
     body = f"{summary}\nDecision: rule `{decision.rule}` — {decision.reason}"
@@ -255,11 +258,10 @@ async def _publish(incident_id: str, node: str, summary: str) -> None:
 
 @flow(name="remediate-incident", flow_run_name=_run_name, log_prints=False, persist_result=False)
 async def remediate(incident_id: str, node: str) -> Outcome:
-    logger = get_run_logger()
     record = current().store.get_incident(incident_id)
     if record is not None and record.status in TERMINAL_INCIDENT_STATUSES:
         # A second start for one incident (a trigger fired twice, a run restarted): nothing twice.
-        logger.info("incident %s is already %s; nothing to do", incident_id, record.status)
+        get_run_logger().info("incident %s is already %s; nothing to do", incident_id, record.status)
         return Outcome(
             incident=incident_id,
             node=node,
@@ -272,38 +274,82 @@ async def remediate(incident_id: str, node: str) -> Outcome:
         )
     await ensure_limits()
     triaged = triage(incident_id)
-    decision, seen = triaged.decision, []
     thread = IncidentThread(
-        incident_id, _message(triaged, decision, current().store.incident_events(incident_id))
+        incident_id, first_message(triaged, triaged.decision, current().store.incident_events(incident_id))
     )
+    decision, seen = await _diagnosed(triaged, thread)
+    decision = await _approved(triaged, decision, thread)
+    acted = await _acted(triaged, decision, thread)
+    to_resume = _jobs_to_resume(incident_id, triaged, acted)
+    checking = _start_verify(incident_id, node, decision, acted, to_resume)
+    # A hung job kept on its nodes is restarted there: else only its watchdog ends the hang. Not for a
+    # switch's incident: behind a switch that failed, the same nodes would hang again.
+    kept = not to_resume and decision.mode is not Mode.OBSERVE and (record is None or record.scope == "node")
+    hung = hung_jobs(current().store.incident_events(incident_id)) if kept else {}
+    resumed, still_hung = await _restarted_hung(incident_id, node, hung, thread)
+    # Left alone (any containment released by the act): the node serves on, and so do its jobs.
+    left = decision.action is Action.NONE and triaged.jobs and not to_resume and not hung
+    stayed = in_place(node, triaged.jobs) if left else None
+    resumed = await _resumed(incident_id, node, to_resume, thread) or resumed
+    verified = None
+    if checking is not None:
+        verified = checking.result()
+        await thread.say(verified.detail)
+
+    summary = summary_of(decision, acted, resumed, verified, stayed)
+    await thread.say(f"Closed: {summary}")
+    status = IncidentStatus.ESCALATED if still_hung else closing_status(acted, verified)
+    close(incident_id, summary, status=status)
+    await _publish(incident_id, node, summary)
+    await thread.flush()  # the one wait on chat, bounded (medic/tasks/notify.py FLUSH_S), after all else
+    return outcome_of(incident_id, node, decision, acted, resumed, verified, seen, thread.ok, summary)
+
+
+async def _diagnosed(triaged: Triage, thread: IncidentThread) -> tuple[Decision, list[str]]:
+    """The decision once the DCGM ladder the policy asks for has run (and the levels it saw), or the
+    policy's answer on the evidence as it stands."""
+    decision, seen = triaged.decision, []
     if decision.action is Action.DIAGNOSE and decision.mode is not Mode.OBSERVE:
         await thread.open()  # a ladder can take an hour: people hear of the fault first
-        ladder = await diagnose_ladder(incident_id, node, decision)
+        ladder = await diagnose_ladder(triaged.incident, triaged.node, decision)
         decision, seen = ladder.decision, ladder.seen
         for result in seen:
             await thread.say(f"DCGM {result}")
     if not seen:
-        decision = decide_incident(incident_id)
+        decision = decide_incident(triaged.incident)
     elif decision.action is Action.DIAGNOSE and decision.mode is not Mode.OBSERVE:
         decision = decision.model_copy(
             update={"action": Action.ESCALATE, "reason": decision.reason + "; ladder exhausted"}
         )
+    return decision, seen
+
+
+async def _approved(triaged: Triage, decision: Decision, thread: IncidentThread) -> Decision:
+    """The decision after a human's answer where the policy asks for one: refused or unanswered, the
+    incident escalates with the action it blocked."""
     # Observed, nothing is done: there is nothing to approve.
     asks = decision.approve and decision.mode is not Mode.OBSERVE
-    if asks and decision.action not in (Action.NONE, Action.ESCALATE):
-        await thread.open()
-        with stage(current().store, incident_id, "approval", node=node, why=decision.action.value) as log:
-            answer = await await_approval(triaged, decision)
-            log.done(answer.detail, drain=answer.drain)
-        if not answer.approved:
-            decision = decision.model_copy(
-                update={
-                    "action": Action.ESCALATE,
-                    "blocked_action": decision.action,
-                    "reason": f"{decision.reason}; {answer.detail}",
-                }
-            )
-    state: State[ActOutcome] = act(incident_id, node, triaged.gpu, decision, return_state=True)
+    if not asks or decision.action in (Action.NONE, Action.ESCALATE):
+        return decision
+    await thread.open()
+    with stage(
+        current().store, triaged.incident, "approval", node=triaged.node, why=decision.action.value
+    ) as log:
+        answer = await await_approval(triaged, decision)
+        log.done(answer.detail, drain=answer.drain)
+    if answer.approved:
+        return decision
+    return decision.model_copy(
+        update={
+            "action": Action.ESCALATE,
+            "blocked_action": decision.action,
+            "reason": f"{decision.reason}; {answer.detail}",
+        }
+    )
+
+
+async def _acted(triaged: Triage, decision: Decision, thread: IncidentThread) -> ActOutcome:
+    state: State[ActOutcome] = act(triaged.incident, triaged.node, triaged.gpu, decision, return_state=True)
     if state.is_completed():
         acted = await state.aresult()
     else:
@@ -311,7 +357,7 @@ async def remediate(incident_id: str, node: str) -> Outcome:
         acted = ActOutcome(
             action=decision.action, status=ActStatus.ESCALATED, detail=f"action failed: {state.message}"
         )
-    await thread.attach(_kept_files(incident_id))
+    await thread.attach(_kept_files(triaged.incident))
     if acted.status == ActStatus.OBSERVED:
         await thread.say(acted.detail[0].upper() + acted.detail[1:])
     else:
@@ -319,61 +365,58 @@ async def remediate(incident_id: str, node: str) -> Outcome:
             f"Decision: {decision.action.value} (rule `{decision.rule}`) — {acted.status}: {acted.detail}"
         )
     await _tag_run(triaged, decision)
+    return acted
 
-    checking = None
-    to_resume = _jobs_to_resume(incident_id, triaged, acted)
-    if acted.verified_here(incident_id) and decision.action in DESTRUCTIVE:
-        if to_resume:
-            # The spare goes to the moved jobs before the repaired node is checked: a node that
-            # passes refills the pool only once it is short (medic/tasks/nodes/spares.py).
-            lend_spare(current(), incident_id, node)
-        # The deep checks a replacement or repair requires can take hours (DCGM level 4, an
-        # all-reduce): the task's limit is theirs. Checked beside the wait on the moved jobs, not
-        # after it: with no spare and no idle node, the repaired node is what they wait for.
-        policy = current().policy().policy
-        level = policy.defaults.verify_level
-        budget = verify_budget_s(policy.deep_checks, level, decision.action)
-        checking = verify.with_options(timeout_seconds=budget).submit(
-            incident_id, node, level, decision.action
-        )
 
-    resumed = None
-    # A hung job kept on its nodes is restarted there: else only its watchdog ends the hang. Not for a
-    # switch's incident: behind a switch that failed, the same nodes would hang again.
-    kept = not to_resume and decision.mode is not Mode.OBSERVE and (record is None or record.scope == "node")
-    hung = hung_jobs(current().store.incident_events(incident_id)) if kept else {}
-    still_hung = False  # a restart that failed is people's to finish: the incident escalates
+def _start_verify(
+    incident_id: str, node: str, decision: Decision, acted: ActOutcome, to_resume: list[str]
+) -> PrefectFuture[VerifyOutcome] | None:
+    """After a repair this incident carried out: the spare lent to the moved jobs, and the node's
+    verification started beside the wait on them."""
+    if not (acted.verified_here(incident_id) and decision.action in DESTRUCTIVE):
+        return None
+    if to_resume:
+        # The spare goes to the moved jobs before the repaired node is checked: a node that
+        # passes refills the pool only once it is short (medic/tasks/nodes/spares.py).
+        lend_spare(current(), incident_id, node)
+    # The deep checks a replacement or repair requires can take hours (DCGM level 4, an
+    # all-reduce): the task's limit is theirs. Checked beside the wait on the moved jobs, not
+    # after it: with no spare and no idle node, the repaired node is what they wait for.
+    policy = current().policy().policy
+    level = policy.defaults.verify_level
+    budget = verify_budget_s(policy.deep_checks, level, decision.action)
+    return verify.with_options(timeout_seconds=budget).submit(incident_id, node, level, decision.action)
+
+
+async def _restarted_hung(
+    incident_id: str, node: str, hung: Mapping[str, datetime], thread: IncidentThread
+) -> tuple[ResumeOutcome | None, bool]:
+    """Each hung job restarted on its nodes: the last restart, and whether one failed (a restart that
+    failed is people's to finish: the incident escalates)."""
+    resumed, still_hung = None, False
     for job, hung_at in hung.items():
-        restart_state: State[ResumeOutcome | None] = restart_hung_job(
+        state: State[ResumeOutcome | None] = restart_hung_job(
             incident_id, node, job, hung_at, return_state=True
         )
-        if not restart_state.is_completed():
+        if not state.is_completed():
             still_hung = True
-            await thread.say(f"Job {job} is hung and could not be restarted: {restart_state.message}")
-        elif restarted := await restart_state.aresult():
+            await thread.say(f"Job {job} is hung and could not be restarted: {state.message}")
+        elif restarted := await state.aresult():
             resumed = restarted
             await thread.say(f"Job {job} was hung, restarted before its watchdog: {restarted.describe()}")
-    # Left alone (any containment released by the act): the node serves on, and so do its jobs.
-    left = decision.action is Action.NONE and triaged.jobs and not to_resume and not hung
-    stayed = in_place(node, triaged.jobs) if left else None
+    return resumed, still_hung
+
+
+async def _resumed(
+    incident_id: str, node: str, to_resume: list[str], thread: IncidentThread
+) -> ResumeOutcome | None:
+    """Each job moved off the node, requeued or waited on until it trains again: the last one."""
+    resumed = None
     for job in to_resume:
-        job_state: State[ResumeOutcome] = resume_job(incident_id, job, [node], return_state=True)
-        if job_state.is_completed():
-            resumed = await job_state.aresult()
+        state: State[ResumeOutcome] = resume_job(incident_id, job, [node], return_state=True)
+        if state.is_completed():
+            resumed = await state.aresult()
             await thread.say(resumed.describe().capitalize())
         else:
-            logger.error("job %s did not resume: %s", job, job_state.message)
-
-    verified = None
-    if checking is not None:
-        verified = checking.result()
-        await thread.say(verified.detail)
-
-    summary = _summary(decision, acted, resumed, verified, stayed)
-    await thread.say(f"Closed: {summary}")
-
-    status = IncidentStatus.ESCALATED if still_hung else closing_status(acted, verified)
-    close(incident_id, summary, status=status)
-    await _publish(incident_id, node, summary)
-    await thread.flush()  # the one wait on chat, bounded (medic/tasks/notify.py FLUSH_S), after all else
-    return outcome_of(incident_id, node, decision, acted, resumed, verified, seen, thread.ok, summary)
+            get_run_logger().error("job %s did not resume: %s", job, state.message)
+    return resumed

@@ -172,16 +172,16 @@ def window(f: Facts, within: timedelta) -> tuple[datetime, datetime]:
     return end - within, end
 
 
-def _has_signature(sig: Signature, event: Seen) -> bool:
+def has_signature(sig: Signature, event: Seen) -> bool:
     if event.kind is EventKind.XID and sig.xid:
         return event.attributes["code"] in sig.xid
     return event.kind in (sig.kinds or ())
 
 
-def _counted(cond: CountCondition, f: Facts, kinds: tuple[EventKind, ...]) -> int:
+def counted(cond: CountCondition, f: Facts, kinds: tuple[EventKind, ...]) -> int:
     """How many distinct things the condition counts in its window (0 without an anchor, and below
     `at_least` where too few events of its `kinds` lie in the window to reach it)."""
-    anchors = [e for e in f.events if _has_signature(cond, e)]
+    anchors = [e for e in f.events if has_signature(cond, e)]
     if not anchors:
         return 0
     start, end = window(f, timedelta(minutes=cond.within_minutes))
@@ -192,7 +192,7 @@ def _counted(cond: CountCondition, f: Facts, kinds: tuple[EventKind, ...]) -> in
     pool: dict[str, Seen] = {e.id: e for e in anchors if start <= e.time <= end}
     for scope, key in lookups:
         pool.update(
-            (e.id, e) for e in f.context.window(kinds, start, end, scope, key) if _has_signature(cond, e)
+            (e.id, e) for e in f.context.window(kinds, start, end, scope, key) if has_signature(cond, e)
         )
     found = list(pool.values())
     if cond.scope == "gpu":
@@ -222,7 +222,7 @@ def _counted(cond: CountCondition, f: Facts, kinds: tuple[EventKind, ...]) -> in
 
 
 def _one_count(cond: CountCondition, f: Facts) -> str | None:
-    n = _counted(cond, f, cond.event_kinds())
+    n = counted(cond, f, cond.event_kinds())
     if n < cond.at_least:
         return None
     where = {"gpu": "on this GPU", "node": "on this node", "job": "in this job", "cluster": "in the cluster"}
@@ -389,7 +389,7 @@ def _test(name: str, when: When, check: Check) -> FactTest:
         case "count":
             # Each condition's kinds worked out once, and no reason worded for a count that holds.
             counts = tuple((cond, cond.event_kinds()) for cond in when.count or ())
-            return lambda f: all(_counted(cond, f, kinds) >= cond.at_least for cond, kinds in counts)
+            return lambda f: all(counted(cond, f, kinds) >= cond.at_least for cond, kinds in counts)
         case "gpu_incidents":
             assert when.gpu_incidents is not None
             least = when.gpu_incidents.at_least
@@ -444,7 +444,7 @@ def _needs_test(need: frozenset[EventKind]) -> FactTest:
     return lambda f: not f.kinds.isdisjoint(need)
 
 
-def _compile_rule(rule: Rule, index: int) -> CompiledRule:
+def compile_rule(rule: Rule, index: int) -> CompiledRule:
     when = rule.when
     checks = tuple((name, check) for name, check in CHECKS if getattr(when, name) is not None)
     needs = [_NEEDS[name] for name, _ in checks if name in _NEEDS]
@@ -483,7 +483,7 @@ class CompiledPolicy:
 
 
 def _compile_policy(policy: Policy) -> CompiledPolicy:
-    rules = tuple(_compile_rule(rule, i) for i, rule in enumerate(policy.rules))
+    rules = tuple(compile_rule(rule, i) for i, rule in enumerate(policy.rules))
     return CompiledPolicy(rules, tuple(sorted(rules, key=lambda r: r.precedence, reverse=True)))
 
 
@@ -521,7 +521,7 @@ def evaluate(compiled_rule: CompiledRule, facts: Facts) -> tuple[list[str] | Non
 
 def match(rule: Rule, facts: Facts) -> list[str] | None:
     """The reasons each condition of `rule` holds, or None when one does not."""
-    return evaluate(_compile_rule(rule, 0), facts)[0]
+    return evaluate(compile_rule(rule, 0), facts)[0]
 
 
 def diagnose_level(rule: Rule, facts: Facts) -> int | None:

@@ -72,7 +72,7 @@ class RejectionCountRecord(SQLModel, table=True):
 
 # The statuses of an incident still being handled (medic.statuses.ACTIVE_INCIDENT_STATUSES), spelled
 # out for the partial index: an index's WHERE clause is SQL, fixed when the index is created.
-_ACTIVE_SQL = "status IN ('open', 'remediating', 'waiting for approval')"
+ACTIVE_SQL = "status IN ('open', 'remediating', 'waiting for approval')"
 
 
 class IncidentRecord(SQLModel, table=True):
@@ -85,8 +85,8 @@ class IncidentRecord(SQLModel, table=True):
             "node",
             "scope",
             unique=True,
-            sqlite_where=text(_ACTIVE_SQL),
-            postgresql_where=text(_ACTIVE_SQL),
+            sqlite_where=text(ACTIVE_SQL),
+            postgresql_where=text(ACTIVE_SQL),
         ),
     )
 

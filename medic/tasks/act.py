@@ -10,7 +10,6 @@ from medic.policy.groups import observed
 from medic.policy.model import DESTRUCTIVE
 from medic.statuses import ACT_DONE_STATUSES, ActionStatus, ActStatus, StepStatus
 from medic.store.tables import ActionRecord
-from medic.tasks.runtime import prefect_events
 from medic.tasks.nodes.contain import release
 from medic.tasks.nodes.guard import guarded
 from medic.tasks.nodes.host_evidence import keep_host_evidence
@@ -22,8 +21,9 @@ from medic.tasks.nodes.service import (
     take_out_of_service,
 )
 from medic.tasks.resume import JobsOff, move_jobs_off
-from medic.tasks.runtime.retry import transient_only
+from medic.tasks.runtime import prefect_events
 from medic.tasks.runtime.process import Runtime, current
+from medic.tasks.runtime.retry import transient_only
 from medic.tasks.runtime.stage import stage
 
 

@@ -11,8 +11,8 @@ from medic.statuses import IncidentStatus
 from medic.store import utcnow
 from medic.store.tables import GoodputRecord
 from medic.tasks.runtime import prefect_events
-from medic.tasks.runtime.retry import transient_only
 from medic.tasks.runtime.process import current
+from medic.tasks.runtime.retry import transient_only
 from medic.tasks.runtime.stage import stage
 
 

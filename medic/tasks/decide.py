@@ -6,8 +6,8 @@ from prefect import task
 
 from medic.policy import Decision
 from medic.tasks.nodes.evidence import evaluate
-from medic.tasks.runtime.retry import transient_only
 from medic.tasks.runtime.process import current
+from medic.tasks.runtime.retry import transient_only
 from medic.tasks.runtime.stage import stage
 
 

@@ -13,8 +13,8 @@ from medic.store import utcnow
 from medic.tasks.nodes.evidence import record_diagnostic
 from medic.tasks.nodes.service import take_out_of_service
 from medic.tasks.resume import move_jobs_off
-from medic.tasks.runtime.retry import transient_only
 from medic.tasks.runtime.process import Runtime, current
+from medic.tasks.runtime.retry import transient_only
 from medic.tasks.runtime.stage import StageLog, stage
 
 # Hard time budget per DCGM level (seconds): L1 takes seconds, L4 up to two hours.

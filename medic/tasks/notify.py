@@ -22,22 +22,18 @@ import asyncio
 import contextvars
 import logging
 import threading
-import time
 import weakref
 from collections import defaultdict, deque
-from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
-
-from pydantic import TypeAdapter
+from dataclasses import replace
 
 from medic.artifacts import Artifact
 from medic.errors import PermanentError
 from medic.protocols import Message, Notifier
-from medic.statuses import MessageStatus, StepStatus
+from medic.statuses import StepStatus
 from medic.store import Store, utcnow
-from medic.store.tables import OutboxRecord, StepRecord
-from medic.tasks.runtime.runners import dead_runners, runner_name
+from medic.tasks.runtime.outbox_rows import LEASE_S, ROLE, OutboxRows, Outgoing, posted, resent
 from medic.tasks.runtime.process import Runtime, current
+from medic.tasks.runtime.runners import dead_runners, runner_name
 from medic.tasks.runtime.stage import run_logger
 
 # The final flush: the longest a run waits for chat, after everything else it does.
@@ -48,46 +44,8 @@ BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 CLOSING_PAUSE_S = 1.0
 # A worker with nothing to send this long ends; the next message starts another.
 IDLE_S = 60.0
-# How long this process holds the messages it keeps in the outbox without renewing the hold. It is
-# renewed before a try once a third of it has passed: a try (within the notifier's own bound, 40 s
-# for Slack) and the pause before the next (at most 30 s) fit in the rest.
-LEASE_S = 180.0
-# A message pending this long is given up rather than sent (a day-old incident's news misleads).
-MAX_AGE = timedelta(hours=24)
-# The role in the name this process holds outbox messages under ("host:notify:pid"): any process of
-# the host can tell that the holder is gone and take its messages at once.
-ROLE = "notify"
-_MESSAGE = TypeAdapter(Message)  # a message of its own, as the outbox keeps it (JSON)
 
 log = logging.getLogger("medic.notify")
-
-
-@dataclass(eq=False, slots=True)
-class _Outgoing:
-    stage: str  # notify: a message of its own; update: a reply in `parent`'s thread
-    message: Message | None = None
-    text: str = ""
-    parent: _Outgoing | None = None
-    ref: str | None = None  # the thread reference, once a message of its own is posted
-    settled: threading.Event = field(default_factory=threading.Event)  # delivered or given up
-    started: datetime | None = None
-    tries: int = 0
-    error: str = ""
-    row: int | None = None  # in the outbox; None: the store did not take it, it is in memory only
-    said: datetime = field(default_factory=utcnow)
-    redelivered: bool = False  # claimed from a process that is gone
-
-    def describe(self) -> str:
-        return self.message.title if self.message is not None else self.text
-
-    def stale(self) -> str | None:
-        """Why the message must not go out at all, if it must not."""
-        if utcnow() - self.said > MAX_AGE:
-            return f"pending for more than {MAX_AGE.total_seconds() / 3600:g} h"
-        if self.redelivered and self.message is not None and self.message.approval_run is not None:
-            # Its buttons resume a run that ended with its process: the incident's pickup asks again.
-            return "an approval request whose flow run ended with the process that said it"
-        return None
 
 
 class _Outbox:
@@ -96,19 +54,19 @@ class _Outbox:
     def __init__(self, incident_id: str, notifier: Notifier, store: Store) -> None:
         self.incident_id, self.notifier, self.store = incident_id, notifier, store
         self.failed = 0
-        self._queue: deque[_Outgoing] = deque()
-        self._sending: _Outgoing | None = None  # in a call to the notifier right now
+        self._queue: deque[Outgoing] = deque()
+        self._sending: Outgoing | None = None  # in a call to the notifier right now
         self._cond = threading.Condition()
         self._worker: threading.Thread | None = None
         self.closed = False  # the run's final flush began: nothing more is taken
         self._abandon = False  # the flush ran out of time: stop trying
-        self._held_at = 0.0  # when this worker last renewed the process's hold (monotonic)
+        self.rows = OutboxRows(incident_id, store)
         # The flow run's context, so a message links its run and the worker logs to it.
         self._context = contextvars.copy_context()
         with _every_lock:
             _every.add(self)
 
-    def put(self, item: _Outgoing) -> None:
+    def put(self, item: Outgoing) -> None:
         """Queue a message, kept in the outbox first unless it is there already (redelivered)."""
         with self._cond:
             if self.closed:  # nobody waits for it any more
@@ -116,7 +74,7 @@ class _Outbox:
                 self._give_up_queued("said after the run's final flush")
                 return
             if item.row is None:  # under the lock: the rows' order is the queue's
-                item.row = self._keep(item)
+                item.row = self.rows.keep(item)
             self._queue.append(item)
             if self._worker is None:
                 # A copy each: one context cannot be entered by two threads, and an idle worker
@@ -129,25 +87,6 @@ class _Outbox:
                 )
                 self._worker.start()
             self._cond.notify_all()
-
-    def _keep(self, item: _Outgoing) -> int | None:
-        try:
-            return self.store.queue_message(
-                self.incident_id,
-                item.stage,
-                message=_MESSAGE.dump_python(item.message, mode="json") if item.message else None,
-                text=item.text,
-                parent_id=item.parent.row if item.parent is not None else None,
-                owner=runner_name(ROLE),
-                lease_s=LEASE_S,
-            )
-        except Exception:  # the store is down: sent all the same, but lost if this process stops
-            run_logger(log).exception(
-                "%s: message %r not kept in the outbox; sent from memory only",
-                self.incident_id,
-                item.describe(),
-            )
-            return None
 
     def unsent(self) -> tuple[int, int]:
         """The messages not settled yet: (kept in the outbox, in memory only). Read without the
@@ -186,7 +125,7 @@ class _Outbox:
                 item = self._queue[0]
             self._deliver(item)
 
-    def _deliver(self, item: _Outgoing) -> None:
+    def _deliver(self, item: Outgoing) -> None:
         item.started = item.started or utcnow()
         parent = item.parent
         if parent is not None and parent.ref is None:
@@ -201,7 +140,7 @@ class _Outbox:
                 if item.settled.is_set():  # given up by the final flush while waiting to try again
                     return
                 self._sending = item
-            self._hold()
+            self.rows.hold()
             item.tries += 1
             try:
                 if item.message is not None:
@@ -210,115 +149,66 @@ class _Outbox:
                     assert parent is not None and parent.ref is not None
                     self.notifier.reply(parent.ref, item.text)
             except Exception as error:  # any failure: a message sent twice costs nothing (decisions/0004)
-                item.error = f"{type(error).__name__}: {error}"
-                refused, stale = isinstance(error, PermanentError), item.stale()
-                if not (refused or stale):
-                    self._note_try(item)
-                with self._cond:
-                    self._sending = None
-                    if refused or stale or self._abandon:
-                        self._finish_locked(
-                            item, "refused" if refused else stale or "the run's final flush ended"
-                        )
-                        return
-                    pause = BACKOFF_S[min(item.tries, len(BACKOFF_S)) - 1]
-                    if self.closed:  # the run is waiting for this: try often while it does
-                        pause = min(pause, CLOSING_PAUSE_S)
-                    run_logger(log).warning(
-                        "%s: chat did not take %r (%s); try %d in %g s",
-                        self.incident_id,
-                        item.describe(),
-                        item.error,
-                        item.tries + 1,
-                        pause,
-                    )
-                    was_closed = self.closed
-
-                    # Try again early once the run's final flush begins, or gives up.
-                    def woken(closed_before: bool = was_closed) -> bool:
-                        return self._abandon or self.closed != closed_before
-
-                    self._cond.wait_for(woken, pause)
-                continue
+                if self._failed_try(item, error):
+                    continue
+                return
             with self._cond:
                 self._sending = None
                 self._finish_locked(item, None)
             return
 
-    def _hold(self) -> None:
-        """Renew this process's hold on its outbox messages, once a third of it has passed."""
-        if time.monotonic() - self._held_at < LEASE_S / 3:
-            return
-        try:
-            self.store.renew_messages(runner_name(ROLE), LEASE_S)
-            self._held_at = time.monotonic()
-        except Exception:  # the store is down: the hold may lapse, and another process send them too
-            run_logger(log).exception("%s: renewing the hold on the outbox failed", self.incident_id)
+    def _failed_try(self, item: Outgoing, error: Exception) -> bool:
+        """After a try that failed: True once it is time to try again, False when the message is
+        given up (refused for good, stale, or the run's final flush ended)."""
+        item.error = f"{type(error).__name__}: {error}"
+        refused, stale = isinstance(error, PermanentError), item.stale()
+        if not (refused or stale):
+            self.rows.note_try(item)
+        with self._cond:
+            self._sending = None
+            if refused or stale or self._abandon:
+                self._finish_locked(item, "refused" if refused else stale or "the run's final flush ended")
+                return False
+            pause = BACKOFF_S[min(item.tries, len(BACKOFF_S)) - 1]
+            if self.closed:  # the run is waiting for this: try often while it does
+                pause = min(pause, CLOSING_PAUSE_S)
+            run_logger(log).warning(
+                "%s: chat did not take %r (%s); try %d in %g s",
+                self.incident_id,
+                item.describe(),
+                item.error,
+                item.tries + 1,
+                pause,
+            )
+            was_closed = self.closed
 
-    def _note_try(self, item: _Outgoing) -> None:
-        if item.row is None:
-            return
-        try:
-            self.store.note_try(item.row, item.tries, item.error)
-        except Exception:  # the store is down: the settled row will say it
-            run_logger(log).exception("%s: noting a failed try in the outbox failed", self.incident_id)
+            # Try again early once the run's final flush begins, or gives up.
+            def woken(closed_before: bool = was_closed) -> bool:
+                return self._abandon or self.closed != closed_before
 
-    def _finish(self, item: _Outgoing, why: str | None) -> None:
+            self._cond.wait_for(woken, pause)
+        return True
+
+    def _finish(self, item: Outgoing, why: str | None) -> None:
         with self._cond:
             self._finish_locked(item, why)
 
-    def _finish_locked(self, item: _Outgoing, why: str | None) -> None:
+    def _finish_locked(self, item: Outgoing, why: str | None) -> None:
         if item.settled.is_set():  # given up by the final flush meanwhile
             return
         if item in self._queue:
             self._queue.remove(item)
         if why is None:
-            self._record(item, StepStatus.OK)
+            self.rows.record(item, StepStatus.OK)
         else:
             self._settle(item, why if not item.error or why.endswith(item.error) else f"{why}: {item.error}")
         self._cond.notify_all()
 
-    def _settle(self, item: _Outgoing, why: str) -> None:
+    def _settle(self, item: Outgoing, why: str) -> None:
         """A message given up: recorded as a failed step and logged."""
         self.failed += 1
         run_logger(log).error("%s: message %r not delivered: %s", self.incident_id, item.describe(), why)
-        self._record(item, StepStatus.FAILED, why)
-
-    def _record(self, item: _Outgoing, status: str, why: str = "") -> None:
-        """The step that says what became of the message; and its outbox row settled with it."""
-        detail: dict[str, object] = {"tries": item.tries}
-        if item.redelivered:
-            detail["redelivered"] = True
-        if status == StepStatus.OK and item.message is not None:
-            assert item.message is not None
-            summary = f"posted to {item.message.channel} (thread {item.ref})"
-            detail["thread"] = item.ref
-        elif status == StepStatus.OK:
-            summary = item.text
-        else:
-            summary = f"{item.describe()!r} not delivered: {why}"
-        started = item.started or utcnow()
-        try:
-            if item.row is None:
-                self.store.add_step(self.incident_id, item.stage, started, status, summary, detail)
-            else:
-                step = StepRecord(
-                    incident_id=self.incident_id,
-                    stage=item.stage,
-                    started_at=started,
-                    finished_at=utcnow(),
-                    status=status,
-                    summary=summary,
-                    detail=detail,
-                )
-                settled = MessageStatus.DELIVERED if status == StepStatus.OK else MessageStatus.GIVEN_UP
-                self.store.settle_message(
-                    item.row, settled, tries=item.tries, error=item.error, ref=item.ref, step=step
-                )
-        except Exception:  # the store is down too: the log line above is what is left
-            run_logger(log).exception("%s: the %s step could not be recorded", self.incident_id, item.stage)
-        finally:
-            item.settled.set()
+        self.rows.record(item, StepStatus.FAILED, why)
 
 
 # The outbox of each incident being handled in this process: the incident's thread and its
@@ -350,7 +240,7 @@ class IncidentThread:
     def __init__(self, incident_id: str, head: Message) -> None:
         self.incident_id, self.head = incident_id, head
         self._outbox = _outbox(incident_id)
-        self._head = _Outgoing("notify", message=head)
+        self._head = Outgoing("notify", message=head)
         self.opened = False
 
     @property
@@ -369,7 +259,7 @@ class IncidentThread:
 
     async def say(self, text: str) -> None:
         await self.open()
-        self._outbox.put(_Outgoing("update", text=text, parent=self._head))
+        self._outbox.put(Outgoing("update", text=text, parent=self._head))
 
     async def attach(self, artifacts: tuple[Artifact, ...]) -> None:
         """List more evidence files: in the message itself while it is not queued yet (where they
@@ -416,42 +306,19 @@ def redeliver(rt: Runtime) -> int:
     if not claimed:
         return 0
     log.warning("sending again %d message(s) left in the outbox by a process that is gone", len(claimed))
-    items: dict[int | None, _Outgoing] = {}
+    items: dict[int | None, Outgoing] = {}
     settled = {r.id: r for r in rt.store.messages(r.parent_id for r in claimed if r.parent_id is not None)}
-    by_incident: defaultdict[str, list[_Outgoing]] = defaultdict(list)
+    by_incident: defaultdict[str, list[Outgoing]] = defaultdict(list)
     for row in claimed:
-        item = items[row.id] = _resent(row)
+        item = items[row.id] = resent(row)
         if row.stage == "update":  # its message is claimed with it, or settled before
-            item.parent = items.get(row.parent_id) or _posted(settled.get(row.parent_id))
+            item.parent = items.get(row.parent_id) or posted(settled.get(row.parent_id))
         by_incident[row.incident_id].append(item)
     for incident_id, queued in by_incident.items():
         box = _Outbox(incident_id, rt.backends.notifier, rt.store)
         for item in queued:
             box.put(item)
     return len(claimed)
-
-
-def _resent(row: OutboxRecord) -> _Outgoing:
-    message = _MESSAGE.validate_python(row.message) if row.message is not None else None
-    return _Outgoing(
-        row.stage,
-        message=message,
-        text=row.text,
-        started=row.created_at,
-        tries=row.tries,
-        error=row.error,
-        row=row.id,
-        said=row.created_at,
-        redelivered=True,
-    )
-
-
-def _posted(row: OutboxRecord | None) -> _Outgoing:
-    """A reply's message that is settled already: its thread, if it was delivered (a message the
-    outbox lacks, because the store did not take it, was not, as far as anyone can tell)."""
-    parent = _Outgoing("notify", ref=row.ref if row is not None else None)
-    parent.settled.set()
-    return parent
 
 
 def left_behind() -> None:

@@ -27,9 +27,9 @@ from medic.statuses import ActionStatus, StepStatus
 from medic.store import utcnow
 from medic.store.tables import ActionRecord
 from medic.tasks.nodes.service import returned
-from medic.tasks.runtime.retry import transient_only
-from medic.tasks.runtime.process import Runtime, current
 from medic.tasks.nodes.spares import lend_spare
+from medic.tasks.runtime.process import Runtime, current
+from medic.tasks.runtime.retry import transient_only
 from medic.tasks.runtime.stage import StageLog, stage
 
 MOVE_STAGE = "move job off"

@@ -10,8 +10,8 @@ from medic.incidents import Scope
 from medic.policy import Decision
 from medic.statuses import IncidentStatus
 from medic.tasks.nodes.evidence import evaluate, load_incident
-from medic.tasks.runtime.retry import transient_only
 from medic.tasks.runtime.process import current
+from medic.tasks.runtime.retry import transient_only
 from medic.tasks.runtime.stage import stage
 
 

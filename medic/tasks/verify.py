@@ -14,9 +14,9 @@ from medic.policy.deep_checks import CheckName, DeepChecks
 from medic.statuses import StepStatus
 from medic.tasks.deep_check import all_reduce_budget_s, dcgm_check, node_budget_s, run_checks
 from medic.tasks.nodes.service import holding, resume_node
-from medic.tasks.runtime.retry import transient_only
-from medic.tasks.runtime.process import current
 from medic.tasks.nodes.spares import refill_spares
+from medic.tasks.runtime.process import current
+from medic.tasks.runtime.retry import transient_only
 from medic.tasks.runtime.stage import stage
 
 READY_TIMEOUT_S = 1800.0

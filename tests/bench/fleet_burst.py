@@ -58,11 +58,11 @@ from bench.live import (
     POSTGRES_ADMIN_URL,
     SERVE_PREFECT,
     SHARED_DRAINS_ENV,
-    _env,
-    _epoch,
-    _event,
-    _Server,
+    Server,
+    epoch,
+    event_dict,
     process_worker,
+    server_env,
 )
 from bench.prefect_server import fresh_database, prefect_on_postgres
 from bench.report import ms, num, table
@@ -79,7 +79,7 @@ STORM_SWITCHES = 32
 DEFAULT_POLICY = REPO_ROOT / "policies" / "default.yaml"
 
 
-def _rss_mb(pid: int) -> float:
+def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
@@ -97,7 +97,7 @@ def burst_events(
     for i, n in enumerate(struck):
         node = f"gpu-node-{n}"
         code = 79 if node in fatal_nodes else draw.choice((13, 43))
-        events.append(_event(f"burst-{i}", "xid", node, gpu=draw.randrange(8), attributes={"code": code}))
+        events.append(event_dict(f"burst-{i}", "xid", node, gpu=draw.randrange(8), attributes={"code": code}))
     draw.shuffle(events)
     return events, fatal_nodes
 
@@ -110,7 +110,7 @@ def storm_events(switches: int, seed: int = 40) -> list[dict[str, Any]]:
         for offset in range(PER_SWITCH):
             n = s * PER_SWITCH + offset + 1
             events.append(
-                _event(
+                event_dict(
                     f"storm-{n}",
                     "nccl_timeout",
                     f"gpu-node-{n}",
@@ -127,7 +127,7 @@ def storm_events(switches: int, seed: int = 40) -> list[dict[str, Any]]:
 class Fleet:
     """Replicas of `medic serve` over simulated fleets of one shape, one store, one Prefect server."""
 
-    servers: list[_Server]
+    servers: list[Server]
     store: Any  # medic.store.Store
     rss_idle: list[float]
     posted: dict[str, float] = field(default_factory=dict)  # node → when its event was sent
@@ -171,7 +171,7 @@ class Fleet:
 
     def drained(self) -> dict[str, float]:
         """Each node drained since the burst began, and its drain's intent."""
-        return {a.node: _epoch(a.intent_at) for a in self.store.actions_since(self.since(), ["drain"])}
+        return {a.node: epoch(a.intent_at) for a in self.store.actions_since(self.since(), ["drain"])}
 
     def until(self, done: Any) -> float | None:
         """Poll until `done()` is true; when it became true (epoch seconds), or None after SETTLE_S."""
@@ -195,7 +195,7 @@ class Fleet:
             "incidents": len(incidents),
             "backlog": sum(1 for i in incidents if i.closed_at is None),
             "rss_idle_mb": self.rss_idle,
-            "rss_burst_mb": [_rss_mb(s.process.pid) for s in self.servers],
+            "rss_burst_mb": [rss_mb(s.process.pid) for s in self.servers],
         }
 
 
@@ -223,19 +223,19 @@ def fleet(
                 "MEDIC_POLICY": str(policy),
                 "PREFECT_WORKER_QUERY_SECONDS": "1",
             }
-            stack.enter_context(process_worker(directory, _env(directory, api) | env))
+            stack.enter_context(process_worker(directory, server_env(directory, api) | env))
         servers = []
         for r in range(replicas):
             home = directory / f"replica-{r}"
             home.mkdir()
             servers.append(
                 stack.enter_context(
-                    _Server(home, nodes, PER_SWITCH, policy, api, command=command, extra_env=env)
+                    Server(home, nodes, PER_SWITCH, policy, api, command=command, extra_env=env)
                 )
             )
         store = Store(database)
         stack.callback(store.close)
-        yield Fleet(servers, store, [_rss_mb(s.process.pid) for s in servers])
+        yield Fleet(servers, store, [rss_mb(s.process.pid) for s in servers])
 
 
 def _contain(drained: dict[str, float], posted: dict[str, float]) -> dict[str, float | None]:
@@ -263,11 +263,11 @@ def run(
         for incident in f.store.find_incidents(since=f.since(), limit=len(events) + 100):
             if incident.node not in fatal_nodes:
                 continue
-            opened.append(_epoch(incident.opened_at) - f.posted[incident.node])
+            opened.append(epoch(incident.opened_at) - f.posted[incident.node])
             step = next((s for s in f.store.steps_of(incident.id) if s.stage == CONTAIN_STAGE), None)
             if step is not None:
-                queued.append(_epoch(step.started_at) - _epoch(incident.opened_at))
-                containing.append(_epoch(step.finished_at) - _epoch(step.started_at))
+                queued.append(epoch(step.started_at) - epoch(incident.opened_at))
+                containing.append(epoch(step.finished_at) - epoch(step.started_at))
         return (
             result
             | _contain(drained, f.posted)
@@ -300,7 +300,9 @@ def _levels_policy(breaker_percent: float, directory: Path) -> Path:
     }
     for before, after in edits.items():
         if before not in text:
-            raise RuntimeError(f"the default policy's {before.strip()} moved: update tests/bench/fleet_burst.py")
+            raise RuntimeError(
+                f"the default policy's {before.strip()} moved: update tests/bench/fleet_burst.py"
+            )
         text = text.replace(before, after)
     path = directory / "levels.yaml"
     path.write_text(text)
@@ -334,9 +336,9 @@ def out_over_time(store: Any, since: datetime) -> list[tuple[float, int]]:
     with store.session() as s:
         for node, action, intent_at, finished_at in s.exec(query):
             if action == "drain":
-                changes.append((_epoch(intent_at), 1, node))
+                changes.append((epoch(intent_at), 1, node))
             elif finished_at is not None:
-                changes.append((_epoch(finished_at), -1, node))
+                changes.append((epoch(finished_at), -1, node))
     out: set[str] = set()
     levels = []
     for at, step, node in sorted(changes):
@@ -364,7 +366,7 @@ def run_fatal(
             drained = f.drained()
             breaker = f.store.open_breaker_record()
             stopped = Counter(guardrail or "none" for guardrail in _stopped_by(f).values())
-            opened_at = _epoch(breaker.opened_at) if breaker else None
+            opened_at = epoch(breaker.opened_at) if breaker else None
             return (
                 f.common(events)
                 | _contain(drained, f.posted)

@@ -26,7 +26,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from bench import REPO_ROOT
+from bench import IMPORT_ROOT, REPO_ROOT
 from bench.report import Stats, ms, num, table
 
 INCIDENTS = 20
@@ -34,7 +34,7 @@ TASK_RUNS = 7  # per incident on this path: triage, decide, act, resume job, ver
 POLICY = REPO_ROOT / "policies" / "default.yaml"
 
 
-def _policy_without_guardrails(directory: Path) -> Path:
+def policy_without_guardrails(directory: Path) -> Path:
     """The default policy without its guardrails: twenty reboots in seconds are a storm the
     breaker (rightly) stops, and this measures the flow, not the guardrails."""
     import yaml
@@ -84,7 +84,7 @@ def _setup(count: int, tag: str, directory: Path) -> tuple[Any, list[Any]]:
     fleet, lines = _scenario(count, tag)
     backends, _ = registry.simulated(fleet)
     store = Store(f"sqlite:///{directory / f'{tag}.db'}")
-    rt = configure(Runtime(store, backends, _policy_without_guardrails(directory)))
+    rt = configure(Runtime(store, backends, policy_without_guardrails(directory)))
     dispatch = record(rt, read_lines(lines, f"{tag}.jsonl"))
     assert len(dispatch.incidents) == count, dispatch
     return rt, dispatch.incidents
@@ -94,7 +94,7 @@ def remediate_direct(incident_id: str, node: str) -> Any:
     """medic/flows/remediate.py's `remediate`, stage for stage, with Prefect bypassed (task `.fn`s)."""
     from medic.audit import incident_markdown
     from medic.flows.ladder import MAX_STEPS
-    from medic.flows.remediate import _evidence, _message, _summary, closing_status, outcome_of
+    from medic.flows.remediate import closing_status, first_message, outcome_of, summary_of
     from medic.policy import Action
     from medic.policy.model import DESTRUCTIVE
     from medic.tasks.act import ActOutcome, act
@@ -109,7 +109,7 @@ def remediate_direct(incident_id: str, node: str) -> Any:
     triaged = triage.fn(incident_id)
     decision, seen = triaged.decision, []
     notifier = current().backends.notifier  # the flow queues these for its notification worker
-    thread = notifier.post(_message(triaged, decision, f"Evidence: {_evidence(incident_id)}"))
+    thread = notifier.post(first_message(triaged, decision, current().store.incident_events(incident_id)))
     for _ in range(MAX_STEPS):  # diagnose_ladder
         if decision.action is not Action.DIAGNOSE or decision.diagnose_level is None:
             break
@@ -134,8 +134,10 @@ def remediate_direct(incident_id: str, node: str) -> Any:
             resumed = resume_job.fn(incident_id, job, [node])
     verified = None
     if acted.status == "done" and decision.action in DESTRUCTIVE:
-        verified = verify.fn(incident_id, node, current().policy().policy.defaults.verify_level)
-    summary = _summary(decision, acted, resumed, verified)
+        verified = verify.fn(
+            incident_id, node, current().policy().policy.defaults.verify_level, decision.action
+        )
+    summary = summary_of(decision, acted, resumed, verified, None)
     updates = [f"DCGM {s}" for s in seen] + [
         f"Decision: {decision.action.value} — {acted.status}: {acted.detail}"
     ]
@@ -224,6 +226,7 @@ def run(count: int = INCIDENTS) -> dict[str, Any]:
             PREFECT_SERVER_ANALYTICS_ENABLED="false",
             MEDIC_HOME=str(work / "medic-home"),
             MEDIC_BENCH_DIR=str(work),
+            PYTHONPATH=IMPORT_ROOT,
         )
         out, log = work / "result.json", work / "prefect.log"
         start = time.perf_counter()

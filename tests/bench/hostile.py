@@ -39,10 +39,11 @@ from typing import Any
 import httpx
 
 from bench import REPO_ROOT
-from bench.ingest import _free_port, _wait_ready
+from bench.ingest import wait_ready
 from bench.report import ms, num, table
 from bench.sentry import MEDIC_SERVE
 from bench.sentry import server_env as sentry_env
+from medic.integrations.processes import free_port
 
 MALFORMED = 3000
 CONNECTIONS = 8
@@ -289,7 +290,7 @@ def _sentry_big(url: str) -> dict[str, Any]:
 def run(count: int = MALFORMED, connections: int = CONNECTIONS) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="medic-bench-hostile-") as tmp:
         directory = Path(tmp)
-        url = f"http://127.0.0.1:{_free_port()}"
+        url = f"http://127.0.0.1:{free_port()}"
         log = (directory / "server.log").open("wb")
         server = subprocess.Popen(
             [*MEDIC_SERVE, "--port", url.rsplit(":", 1)[1], "--log-level", "warning"],
@@ -299,7 +300,7 @@ def run(count: int = MALFORMED, connections: int = CONNECTIONS) -> dict[str, Any
             stderr=log,
         )
         try:
-            _wait_ready(url, server, timeout_s=120)
+            wait_ready(url, server, timeout_s=120)
             slack = _slack_flood(url, server.pid)
             junk = _junk_flood(url, server.pid, directory / "medic.db")
             sentry = _sentry_big(url)

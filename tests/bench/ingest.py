@@ -16,7 +16,6 @@ import asyncio
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from typing import Any
 import httpx
 
 from bench.report import Stats, ms, num, table
+from medic.integrations.processes import free_port
 
 EVENTS = 20_000
 BATCH = 100
@@ -40,12 +40,6 @@ KINDS = [
     ("straggler", {"step_time_ratio": 1.8}),
     ("thermal", {"temperature_c": 91.5, "throttle_reasons": ["hw_slowdown"]}),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _bodies(round_no: int, count: int, batch: int) -> list[bytes]:
@@ -94,7 +88,7 @@ async def _post_all(url: str, bodies: list[bytes], connections: int) -> tuple[fl
         return time.perf_counter() - started, latencies, acknowledged
 
 
-def _wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+def wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -113,7 +107,7 @@ def percentile(values: list[float], fraction: float) -> float:
     return ordered[max(0, math.ceil(fraction * len(ordered)) - 1)]  # nearest rank
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux /proc): robust to other load on the machine."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -127,7 +121,7 @@ def run(
 
     with tempfile.TemporaryDirectory(prefix="medic-bench-ingest-") as tmp:
         database = f"sqlite:///{Path(tmp) / 'medic.db'}"
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "MEDIC_DATABASE_URL": database, "MEDIC_INGEST_TOKENS": TOKEN}
         code = f"from medic.apps.server.main import serve; serve(port={port})"
@@ -135,17 +129,17 @@ def run(
         with log.open("wb") as output:
             server = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=output, stderr=output)
         try:
-            _wait_ready(url, server)
+            wait_ready(url, server)
             asyncio.run(_post_all(url, _bodies(-1, 10 * batch, batch), connections))  # warm-up
             seconds, latencies, acknowledged = [], [], 0
-            cpu_before = _cpu_seconds(server.pid)
+            cpu_before = cpu_seconds(server.pid)
             for round_no in range(rounds):
                 bodies = _bodies(round_no, events, batch)
                 took, round_latencies, round_acknowledged = asyncio.run(_post_all(url, bodies, connections))
                 seconds.append(took)
                 latencies += round_latencies
                 acknowledged += round_acknowledged
-            server_cpu = _cpu_seconds(server.pid) - cpu_before
+            server_cpu = cpu_seconds(server.pid) - cpu_before
         finally:
             server.terminate()
             server.wait(timeout=30)

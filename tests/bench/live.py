@@ -38,11 +38,12 @@ from typing import Any
 
 import httpx
 
-from bench import REPO_ROOT
-from bench.flow_overhead import _policy_without_guardrails
-from bench.ingest import _free_port, _wait_ready, percentile
+from bench import IMPORT_ROOT, REPO_ROOT
+from bench.flow_overhead import policy_without_guardrails
+from bench.ingest import percentile, wait_ready
 from bench.prefect_server import prefect_on_postgres
 from bench.report import ms, num, table
+from medic.integrations.processes import free_port
 
 TOKEN = "bench-token"
 SHARED_DRAINS_ENV = "BENCH_SHARED_DRAINS"  # replicas' simulated schedulers share drains (SharedDrains)
@@ -126,7 +127,7 @@ class SharedDrains:
         return dataclasses.replace(info, state=NodeState.DRAINED, reason="medic: drained by another replica")
 
 
-def _env(directory: Path, prefect_api: str | None) -> dict[str, str]:
+def server_env(directory: Path, prefect_api: str | None) -> dict[str, str]:
     env = {
         **os.environ,
         "MEDIC_DATABASE_URL": f"sqlite:///{directory / 'medic.db'}",
@@ -142,7 +143,7 @@ def _env(directory: Path, prefect_api: str | None) -> dict[str, str]:
     return env
 
 
-class _Server:
+class Server:
     """`medic serve`'s app in its own process: by default this module's warm-path server with a
     fleet of the given shape; `command` runs another (`medic serve --dispatch prefect`)."""
 
@@ -156,9 +157,9 @@ class _Server:
         command: list[str] | None = None,
         extra_env: dict[str, str] | None = None,
     ) -> None:
-        env = _env(directory, prefect_api) | (extra_env or {})
+        env = server_env(directory, prefect_api) | {"PYTHONPATH": IMPORT_ROOT} | (extra_env or {})
         self.database = env["MEDIC_DATABASE_URL"]
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         port = self.url.rsplit(":", 1)[1]
         command = command or [
             sys.executable,
@@ -182,8 +183,8 @@ class _Server:
             base_url=self.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
         )
 
-    def __enter__(self) -> _Server:
-        _wait_ready(self.url, self.process, timeout_s=120)
+    def __enter__(self) -> Server:
+        wait_ready(self.url, self.process, timeout_s=120)
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -205,7 +206,7 @@ class _Server:
         return found
 
 
-def _event(event_id: str, kind: str, node: str, **fields: Any) -> dict[str, Any]:
+def event_dict(event_id: str, kind: str, node: str, **fields: Any) -> dict[str, Any]:
     return {
         "id": event_id,
         "time": datetime.now(UTC).isoformat(),
@@ -215,27 +216,27 @@ def _event(event_id: str, kind: str, node: str, **fields: Any) -> dict[str, Any]
     } | fields
 
 
-def _epoch(at: datetime) -> float:
+def epoch(at: datetime) -> float:
     return (at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp()
 
 
-def _warm_up(server: _Server, store: Any, node: str) -> None:
+def _warm_up(server: Server, store: Any, node: str) -> None:
     """One fault handled end to end first: the service has been up a while in practice."""
-    server.post([_event(f"warm-up-{node}", "xid", node, gpu=3, attributes={"code": 79})])
+    server.post([event_dict(f"warm-up-{node}", "xid", node, gpu=3, attributes={"code": 79})])
     server.until(lambda: any(i.closed_at for i in store.find_incidents(node=node)), "warm-up incident closed")
 
 
 def _latency(directory: Path, prefect_api: str | None, faults: int, spacing_s: float) -> dict[str, Any]:
-    policy = _policy_without_guardrails(directory)
-    with _Server(directory, faults + 8, 8, policy, prefect_api) as server:
+    policy = policy_without_guardrails(directory)
+    with Server(directory, faults + 8, 8, policy, prefect_api) as server:
         return _measure(server, faults, spacing_s)
 
 
 def _trigger_latency(directory: Path, prefect_api: str, faults: int, spacing_s: float) -> dict[str, Any]:
     """The scaled-out path: `medic serve --dispatch prefect`, the deployment's trigger, a process
     worker polling every second (Prefect's default is 10 s), each run in a fresh flow process."""
-    policy = _policy_without_guardrails(directory)
-    env = _env(directory, prefect_api) | {
+    policy = policy_without_guardrails(directory)
+    env = server_env(directory, prefect_api) | {
         "MEDIC_BACKENDS": "sim",  # the service and the worker's flow runs, each its own simulated fleet
         "MEDIC_SIM_NODES": str(TRIGGER[0] + 1),
         "MEDIC_POLICY": str(policy),
@@ -243,7 +244,7 @@ def _trigger_latency(directory: Path, prefect_api: str, faults: int, spacing_s: 
     }
     with (
         process_worker(directory, env),
-        _Server(directory, 8, 4, policy, prefect_api, command=SERVE_PREFECT, extra_env=env) as server,
+        Server(directory, 8, 4, policy, prefect_api, command=SERVE_PREFECT, extra_env=env) as server,
     ):
         return _measure(server, faults, spacing_s)
 
@@ -283,7 +284,7 @@ def process_worker(directory: Path, env: dict[str, str]) -> Iterator[None]:
 
 
 @contextmanager
-def _slurm_cluster(nodes: int) -> Iterator[Path]:
+def slurm_cluster(nodes: int) -> Iterator[Path]:
     """A real local Slurm cluster (scripts/slurm-cluster.sh); yields its slurm.conf."""
     # Not in a private temporary directory: munged wants every directory above its socket searchable.
     base = Path(tempfile.mkdtemp(prefix="medic-bench-slurm-"))
@@ -301,8 +302,8 @@ def _slurm_cluster(nodes: int) -> Iterator[Path]:
 def _slurm_latency(directory: Path, faults: int, spacing_s: float) -> dict[str, Any]:
     """`medic serve` (warm path, Prefect embedded) draining and rebooting nodes of a real Slurm
     cluster: every scheduler read and the drain are real `scontrol` calls."""
-    policy = _policy_without_guardrails(directory)
-    with _slurm_cluster(faults + 1) as conf:
+    policy = policy_without_guardrails(directory)
+    with slurm_cluster(faults + 1) as conf:
         env = {
             "MEDIC_BACKENDS": "sim",  # DCGM, chat and checkpoints; the scheduler and provider are Slurm
             "MEDIC_SCHEDULER": "slurm",
@@ -311,11 +312,11 @@ def _slurm_latency(directory: Path, faults: int, spacing_s: float) -> dict[str, 
             "SLURM_CONF": str(conf),
         }
         medic = [str(Path(sys.executable).parent / "medic"), "serve", "--log-level", "warning"]
-        with _Server(directory, faults + 1, faults + 1, policy, command=medic, extra_env=env) as server:
+        with Server(directory, faults + 1, faults + 1, policy, command=medic, extra_env=env) as server:
             return _measure(server, faults, spacing_s)
 
 
-def _measure(server: _Server, faults: int, spacing_s: float) -> dict[str, Any]:
+def _measure(server: Server, faults: int, spacing_s: float) -> dict[str, Any]:
     from medic.store import Store
 
     store = Store(server.database)
@@ -324,13 +325,13 @@ def _measure(server: _Server, faults: int, spacing_s: float) -> dict[str, Any]:
     for i in range(1, faults + 1):
         node = f"gpu-node-{i}"
         posted[node] = time.time()
-        server.post([_event(f"fault-{i}", "xid", node, gpu=3, attributes={"code": 79})])
+        server.post([event_dict(f"fault-{i}", "xid", node, gpu=3, attributes={"code": 79})])
         time.sleep(spacing_s)
     for node in posted:
         server.until(lambda node=node: any(i.closed_at for i in store.find_incidents(node=node)), "close")
     since = datetime(2000, 1, 1, tzinfo=UTC)
-    drains = {a.node: _epoch(a.intent_at) for a in store.actions_since(since, ["drain"])}
-    to_close = {i.node: _epoch(i.closed_at) for i in store.find_incidents() if i.closed_at}
+    drains = {a.node: epoch(a.intent_at) for a in store.actions_since(since, ["drain"])}
+    to_close = {i.node: epoch(i.closed_at) for i in store.find_incidents() if i.closed_at}
     store.close()
     missing = sorted(set(posted) - set(drains))
     if missing:
@@ -348,7 +349,7 @@ def _storm(directory: Path) -> dict[str, Any]:
     from medic.store.tables import EventRecord
 
     policy = REPO_ROOT / "policies" / "default.yaml"
-    with _Server(directory, nodes=2 * SWITCH_NODES, per_switch=SWITCH_NODES, policy=policy) as server:
+    with Server(directory, nodes=2 * SWITCH_NODES, per_switch=SWITCH_NODES, policy=policy) as server:
         store = Store(server.database)
         warm_up = f"gpu-node-{SWITCH_NODES + 1}"  # under leaf-2
         _warm_up(server, store, warm_up)
@@ -357,7 +358,7 @@ def _storm(directory: Path) -> dict[str, Any]:
         nodes = [under[i % SWITCH_NODES] for i in range(STORM_EVENTS)]
         shuffled.shuffle(nodes)
         events = [
-            _event(f"storm-{i}", "nccl_timeout", node, switch="leaf-1", job="llm-70b", rank=i % 256)
+            event_dict(f"storm-{i}", "nccl_timeout", node, switch="leaf-1", job="llm-70b", rank=i % 256)
             for i, node in enumerate(nodes)
         ]
         size = STORM_EVENTS // STORM_BATCHES
@@ -373,7 +374,7 @@ def _storm(directory: Path) -> dict[str, Any]:
             return found if found and all(i.closed_at for i in found) else []
 
         incidents = server.until(storm_incidents, "closed storm incidents")
-        decided = min(_epoch(d.decided_at) for i in incidents for d in store.incident_detail(i.id).decisions)
+        decided = min(epoch(d.decided_at) for i in incidents for d in store.incident_detail(i.id).decisions)
         result = {
             "events": STORM_EVENTS,
             "nodes": SWITCH_NODES,

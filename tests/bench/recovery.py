@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.flow_overhead import POLICY
-from bench.live import _epoch, _event, _Server, _slurm_cluster
+from bench.live import Server, epoch, event_dict, slurm_cluster
 from bench.report import Stats, machine_line, num, table
 from bench.resume import TIMELINE
 from medic.integrations.processes import free_port
@@ -162,7 +162,7 @@ def bench_policy(directory: Path, spares: int) -> Path:
 @dataclass
 class Bench:
     scenario: Scenario
-    server: _Server
+    server: Server
     root: Path  # per-run folders; checkpoints/JOB links each job's checkpoints for MEDIC_CHECKPOINTS
 
     def submit(self, run: int) -> tuple[str, Path]:
@@ -210,7 +210,7 @@ class Bench:
             fault = time.time()
             if forwarder is None:
                 os.kill(rank_on(nodes[0]), signal.SIGKILL)
-                event = _event(f"{self.scenario.key}-{run}", "xid", nodes[0], gpu=run % GPUS, job=job_id)
+                event = event_dict(f"{self.scenario.key}-{run}", "xid", nodes[0], gpu=run % GPUS, job=job_id)
                 self.server.post([event | {"attributes": {"code": self.scenario.xid}}])
             else:
                 forwarder.start()
@@ -243,7 +243,7 @@ class Bench:
         event opened (a loaded machine can make the job report a slow step of its own beside it)."""
 
         def closed() -> Any:
-            found = [i for i in store.find_incidents(node=node) if _epoch(i.opened_at) >= fault - 1]
+            found = [i for i in store.find_incidents(node=node) if epoch(i.opened_at) >= fault - 1]
             details = [store.incident_detail(i.id) for i in found if i.closed_at]
             hang = self.scenario.xid is None
             return next((d for d in details if d and (not hang or _derived(d))), None)
@@ -280,10 +280,10 @@ class Bench:
         """A hang's phases, over the incidents it opened (one per node of the job)."""
         if running_again is None:
             raise RuntimeError("the hung job was never requeued")
-        stored = min(_epoch(e.received_at) for d in details for e in d.events if e.source == SOURCE)
-        decided = min(_epoch(d.decided_at) for detail in details for d in detail.decisions)
+        stored = min(epoch(e.received_at) for d in details for e in d.events if e.source == SOURCE)
+        decided = min(epoch(d.decided_at) for detail in details for d in detail.decisions)
         [restarted] = [
-            _epoch(a.finished_at) for d in details for a in d.actions if a.action == RESTART and a.finished_at
+            epoch(a.finished_at) for d in details for a in d.actions if a.action == RESTART and a.finished_at
         ]
         return {
             "detect": stored - onset,
@@ -299,14 +299,14 @@ class Bench:
     def _phases(
         self, fault: float, detail: Any, running_again: float | None, marks: dict[str, float]
     ) -> dict[str, float]:
-        stored = min(_epoch(e.received_at) for e in detail.events)
-        decided = min(_epoch(d.decided_at) for d in detail.decisions)
+        stored = min(epoch(e.received_at) for e in detail.events)
+        decided = min(epoch(d.decided_at) for d in detail.decisions)
         phases = {"detect": stored - fault, "decide": decided - stored}
         if running_again is None:  # restarted in place: GPU Medic is off the path
             phases["torchrun_restart"] = marks["started"] - fault
             phases["launch"] = marks["imported"] - marks["started"]
         else:
-            actions = {a.action: _epoch(a.finished_at) for a in detail.actions if a.finished_at}
+            actions = {a.action: epoch(a.finished_at) for a in detail.actions if a.finished_at}
             phases["contain"] = actions["drain"] - decided
             phases["requeue"] = actions["requeue"] - actions["drain"]
             phases["schedule"] = running_again - actions["requeue"]
@@ -329,7 +329,7 @@ class _Forwarder:
     """The job's own events, POSTed to `medic serve` as they are written: what a node's forwarder does
     with a job that writes its events to a file."""
 
-    def __init__(self, path: Path, server: _Server) -> None:
+    def __init__(self, path: Path, server: Server) -> None:
         self.path, self.server = path, server
         self.offset = 0
         self.stalls: list[dict[str, Any]] = []
@@ -370,7 +370,7 @@ class _Forwarder:
 @contextmanager
 def serving(scenario: Scenario, directory: Path) -> Iterator[Bench]:
     """A real Slurm cluster, the third node a spare or busy, and `medic serve` on it."""
-    with _slurm_cluster(NODES) as conf:
+    with slurm_cluster(NODES) as conf:
         os.environ["SLURM_CONF"] = str(conf)
         third = f"gpu-node-{NODES}"
         if scenario.spare:
@@ -391,7 +391,7 @@ def serving(scenario: Scenario, directory: Path) -> Iterator[Bench]:
             "SLURM_CONF": str(conf),
         }
         medic = [str(Path(sys.executable).parent / "medic"), "serve", "--log-level", "warning"]
-        with _Server(directory, NODES, NODES, policy, command=medic, extra_env=env) as server:
+        with Server(directory, NODES, NODES, policy, command=medic, extra_env=env) as server:
             yield Bench(scenario, server, directory)
 
 
@@ -452,7 +452,7 @@ PHASES = {
     "first_step": "first step",
     "total": "**fault → first step**",
 }
-MEASURED = Path(__file__).resolve().parents[1] / "medic" / "data" / "recovery-measured.json"
+MEASURED = Path(__file__).resolve().parents[2] / "medic" / "data" / "recovery-measured.json"
 
 
 def _cell(samples: list[dict[str, float]], phase: str) -> str:

@@ -31,9 +31,9 @@ import yaml
 from sqlalchemy import insert
 
 from bench import REPO_ROOT
-from bench.flow_overhead import _policy_without_guardrails
+from bench.flow_overhead import policy_without_guardrails
 from bench.report import Stats, num, table
-from bench.triage import JOB_KINDS, KIND_WEIGHTS, SOURCES, _attributes
+from bench.triage import JOB_KINDS, KIND_WEIGHTS, SOURCES, random_attributes
 from medic.apps.cli.replay_parallel import PARALLEL_FROM
 from medic.context import Context
 from medic.events import EventKind, FaultEvent
@@ -61,7 +61,7 @@ def _policies(directory: Path) -> tuple[Path, Path]:
 
     Without guardrails: the fill decides without a fleet, so the recorded decisions are the rules'
     alone, and the replay's guardrails (checked for every decision all the same) stop nothing."""
-    base = _policy_without_guardrails(directory)
+    base = policy_without_guardrails(directory)
     data = yaml.safe_load(base.read_text(encoding="utf-8"))
     for rule in data["rules"]:
         if rule["id"] == EDITED_RULE:
@@ -93,7 +93,7 @@ def _incidents(count: int, seed: int = 7) -> list[Incident]:
                     source="job" if kind in JOB_KINDS else SOURCES.get(kind, "agent"),
                     kind=EventKind(kind),
                     node=node,
-                    attributes=_attributes(kind, rng),
+                    attributes=random_attributes(kind, rng),
                     **fields,
                 )
             )

@@ -30,8 +30,9 @@ from typing import Any
 import httpx
 
 from bench import REPO_ROOT
-from bench.ingest import _free_port, _wait_ready, percentile
+from bench.ingest import percentile, wait_ready
 from bench.report import ms, table
+from medic.integrations.processes import free_port
 
 BURST = 40
 BURSTS = 3
@@ -96,7 +97,7 @@ def server_env(directory: Path, **settings: str) -> dict[str, str]:
 def run(burst: int = BURST, bursts: int = BURSTS) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="medic-bench-sentry-") as tmp:
         directory = Path(tmp)
-        url = f"http://127.0.0.1:{_free_port()}"
+        url = f"http://127.0.0.1:{free_port()}"
         log = (directory / "server.log").open("wb")
         server = subprocess.Popen(
             [*MEDIC_SERVE, "--port", url.rsplit(":", 1)[1], "--log-level", "warning"],
@@ -111,7 +112,7 @@ def run(burst: int = BURST, bursts: int = BURSTS) -> dict[str, Any]:
             stderr=log,
         )
         try:
-            _wait_ready(url, server, timeout_s=120)
+            wait_ready(url, server, timeout_s=120)
             body, headers = webhook("warm-up", f"gpu-node-{burst * bursts + 1}")
             httpx.post(f"{url}/v1/sentry", content=body, headers=headers, timeout=60).raise_for_status()
             time.sleep(PAUSE_S)  # its flow run, and the embedded Prefect server's start

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from bench.fleet_burst import _rss_mb, fleet
-from bench.ingest import _cpu_seconds, percentile
-from bench.live import TOKEN, _epoch, _event, _Server
+from bench.fleet_burst import fleet, rss_mb
+from bench.ingest import cpu_seconds, percentile
+from bench.live import TOKEN, Server, epoch, event_dict
 from bench.report import ms, num, table
 
 EVERY = 10  # steps a report covers: the hooks' timings_every
@@ -67,7 +67,7 @@ def reports(ranks: int, rounds: int, start: datetime, jobs: int = 1) -> Iterator
         for rank in range(size):
             work = 1.0 * (SLOWER if rank == 1 else 1.0)
             for j in range(jobs):
-                event = _event(
+                event = event_dict(
                     f"t-{j}-{r}-{rank}",
                     "health_check",
                     f"gpu-node-{(j * size + rank) // GPUS + 1}",
@@ -156,14 +156,16 @@ async def offer(urls: list[str], requests: list[tuple[Key, int, bytes]], rate: f
     return Offered(rate, len(requests), time.time() - started, latencies, last_ack)
 
 
-def _probe(servers: list[_Server], nodes: list[str], stop: float) -> dict[str, float]:
+def _probe(servers: list[Server], nodes: list[str], stop: float) -> dict[str, float]:
     """A fatal XID on the next of `nodes` every PROBE_EVERY_S until `stop`; node → when posted."""
     posted: dict[str, float] = {}
     for i, node in enumerate(nodes):
         if time.time() >= stop:
             break
         posted[node] = time.time()
-        servers[i % len(servers)].post([_event(f"probe-{node}", "xid", node, gpu=0, attributes={"code": 79})])
+        servers[i % len(servers)].post(
+            [event_dict(f"probe-{node}", "xid", node, gpu=0, attributes={"code": 79})]
+        )
         time.sleep(max(0.0, posted[node] + PROBE_EVERY_S - time.time()))
     return posted
 
@@ -193,13 +195,13 @@ def run(
             )
             for i, (round_, event) in enumerate(reports(ranks, rounds, start, jobs))
         ]
-        cpu_before = [_cpu_seconds(s.process.pid) for s in servers]
+        cpu_before = [cpu_seconds(s.process.pid) for s in servers]
         since = datetime.now(UTC)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             offering = pool.submit(asyncio.run, offer([s.url for s in servers], requests, rate))
             posted = _probe(servers, probes, time.time() + len(requests) / rate)
             result_offer = offering.result()
-        cpu = [_cpu_seconds(s.process.pid) - b for s, b in zip(servers, cpu_before, strict=True)]
+        cpu = [cpu_seconds(s.process.pid) - b for s, b in zip(servers, cpu_before, strict=True)]
         # The verdicts: one per round the detector completes (a round is 10 steps: min_steps).
         # Until all are in, or none came for QUIET_S (a detector that cannot judge names nobody).
         verdicts, quiet_until = _verdicts(store, since), time.monotonic() + QUIET_S
@@ -217,7 +219,7 @@ def run(
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and set(drains) < set(posted):
             drains = {
-                a.node: _epoch(a.intent_at)
+                a.node: epoch(a.intent_at)
                 for a in store.actions_since(since - timedelta(seconds=1), ["drain"])
             }
             time.sleep(0.2)
@@ -261,7 +263,7 @@ def _verdicts(store: Any, since: datetime) -> dict[Key, float]:
     )
     with store.session() as s:
         return {
-            (int(str(job).rsplit("-", 1)[1]), int(step) // EVERY): _epoch(at)
+            (int(str(job).rsplit("-", 1)[1]), int(step) // EVERY): epoch(at)
             for job, step, at in s.exec(query)
             if step is not None and job is not None
         }
@@ -340,7 +342,7 @@ def detector(ranks: int, rounds: int = 2) -> dict[str, float]:
     from medic.peers import PeerDetector
 
     built = [FaultEvent.model_validate(e) for _, e in reports(ranks, rounds, datetime.now(UTC))]
-    before = _rss_mb(os.getpid())
+    before = rss_mb(os.getpid())
     peers = PeerDetector()
     judged: list[float] = []
     started = time.perf_counter()
@@ -359,7 +361,7 @@ def detector(ranks: int, rounds: int = 2) -> dict[str, float]:
         "per_report_us": 1e6 * (elapsed - sum(judged)) / (len(built) - len(judged)),
         "judge_s": max(judged),
         "reports_per_s": len(built) / elapsed,
-        "state_mb": _rss_mb(os.getpid()) - before,
+        "state_mb": rss_mb(os.getpid()) - before,
     }
 
 

@@ -65,7 +65,7 @@ SOURCES = {
 JOB_KINDS = {"nccl_timeout", "nan_loss", "straggler", "job_crash"}
 
 
-def _attributes(kind: str, rng: random.Random) -> dict[str, Any]:
+def random_attributes(kind: str, rng: random.Random) -> dict[str, Any]:
     match kind:
         case "xid":
             code = rng.choice(XIDS)
@@ -129,7 +129,7 @@ def generate(path: Path, count: int = EVENTS, nodes: int = NODES, seed: int = 11
             }
             if kind in JOB_KINDS:
                 event.update(job=job, rank=rng.randrange(64), iteration=rng.randrange(1, 200_000))
-            event["attributes"] = _attributes(kind, rng)
+            event["attributes"] = random_attributes(kind, rng)
             events.append(event)
     events.sort(key=lambda e: e["time"])
     with path.open("w", encoding="utf-8") as handle:

@@ -26,11 +26,11 @@ from medic.policy import Action, Decision, Policy, decide, load_policy
 from medic.policy.engine import (
     MAX_LEVEL,
     CompiledRule,
-    _compile_rule,
-    _counted,
-    _has_signature,
+    compile_rule,
+    counted,
     diagnose_level,
     evaluate,
+    has_signature,
     ruling,
     window,
 )
@@ -216,7 +216,7 @@ _CHECKS: dict[int, CompiledRule] = {}
 def _match(rule: Rule, facts: Facts) -> list[str] | None:
     checks = _CHECKS.get(id(rule))
     if checks is None:
-        checks = _CHECKS[id(rule)] = _compile_rule(rule, 0)
+        checks = _CHECKS[id(rule)] = compile_rule(rule, 0)
     return evaluate(checks, facts)[0]
 
 
@@ -352,12 +352,12 @@ def test_one_shape_different_counts_decide_differently():
 def counted_by_the_letter(cond: CountCondition, facts: Facts) -> int:
     """docs/policy.md's count, read off every event of the cluster in the window: no index slices, no
     shortcut for a count that cannot reach `at_least`."""
-    anchors = [e for e in facts.events if _has_signature(cond, e)]
+    anchors = [e for e in facts.events if has_signature(cond, e)]
     if not anchors:
         return 0
     start, end = window(facts, timedelta(minutes=cond.within_minutes))
     seen = [*anchors, *facts.context.window(cond.event_kinds(), start, end)]
-    found = list({e.id: e for e in seen if _has_signature(cond, e) and start <= e.time <= end}.values())
+    found = list({e.id: e for e in seen if has_signature(cond, e) and start <= e.time <= end}.values())
     if cond.scope == "gpu":
         found = [
             e for e in found if e.gpu is not None and (e.node, e.gpu) in {(a.node, a.gpu) for a in anchors}
@@ -397,5 +397,5 @@ def test_the_engine_counts_as_the_letter_does(stream, own_too):
         if not own_too:
             facts = replace(facts, context=Context(e for e in stream if e not in facts.events))
         for cond in COUNTS:
-            letter, engine = counted_by_the_letter(cond, facts), _counted(cond, facts, cond.event_kinds())
+            letter, engine = counted_by_the_letter(cond, facts), counted(cond, facts, cond.event_kinds())
             assert engine == letter if letter >= cond.at_least else engine < cond.at_least

@@ -20,9 +20,9 @@ from medic.events import (
     FaultEvent,
     GpuMissingAttributes,
     XidAttributes,
-    _first_problem,
     describe_validation_error,
     event_time,
+    first_problem,
     value_problem,
 )
 
@@ -474,4 +474,4 @@ _VALUES = st.recursive(
 @example(value={"k" * 201: 1}, path="attributes")  # one past each limit, which draws rarely hit
 @example(value={"k": [0] * 1001}, path="attributes")
 def test_the_quick_check_agrees_with_the_full_one(value: Any, path: str) -> None:
-    assert value_problem(value, path) == _first_problem(value, path)
+    assert value_problem(value, path) == first_problem(value, path)

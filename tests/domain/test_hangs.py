@@ -467,7 +467,7 @@ def test_the_live_path_stores_and_hands_on_the_culprit_once_the_reports_settle(
 ) -> None:
     rt = configure(Runtime(sqlite_store, sim_backends, REPO_ROOT / "policies" / "default.yaml"))
     dispatcher = live_dispatcher(rt)
-    dispatcher.differential = Differential(settle=timedelta(seconds=0.5))
+    dispatcher.signals.differential = Differential(settle=timedelta(seconds=0.5))
     handed = handing_on(dispatcher)
     now = datetime.now(UTC)
     known = known_ranks(now)
@@ -522,7 +522,7 @@ def test_the_live_path_gathers_stalls_for_the_policy_s_stall_settle_seconds(
     took = asyncio.run(serve())
     [culprit] = handed
     assert (culprit.rank, culprit.node, culprit.attributes["before_timeout"]) == (3, "gpu-node-4", True)
-    assert dispatcher.differential.hangs.stall_settle == timedelta(seconds=1)
+    assert dispatcher.signals.differential.hangs.stall_settle == timedelta(seconds=1)
     assert took < 10  # the policy's 1 s, not the default 15 s
 
 

@@ -29,7 +29,7 @@ from medic.integrations.sim.fleet import SimFleet
 from medic.policy.model import Action, Classification, Decision
 from medic.statuses import ACTIVE_INCIDENT_STATUSES, ActStatus, IncidentStatus
 from medic.store import Store, utcnow
-from medic.store.tables import _ACTIVE_SQL, EventRecord, IncidentRecord
+from medic.store.tables import ACTIVE_SQL, EventRecord, IncidentRecord
 from medic.tasks.act import act
 from medic.tasks.runtime.process import Runtime
 
@@ -38,8 +38,8 @@ EACH = 10
 
 
 def test_the_partial_index_names_every_active_status() -> None:
-    assert all(f"'{status.value}'" in _ACTIVE_SQL for status in ACTIVE_INCIDENT_STATUSES)
-    assert _ACTIVE_SQL.count("'") == 2 * len(ACTIVE_INCIDENT_STATUSES)
+    assert all(f"'{status.value}'" in ACTIVE_SQL for status in ACTIVE_INCIDENT_STATUSES)
+    assert ACTIVE_SQL.count("'") == 2 * len(ACTIVE_INCIDENT_STATUSES)
 
 
 def _open_for_one_node(url: str, start: multiprocessing.synchronize.Barrier, out: dict[str, bool]) -> None:

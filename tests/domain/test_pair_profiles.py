@@ -17,7 +17,8 @@ from factories import fault_event
 
 from medic.culprit import Differential, differential
 from medic.events import EventKind, FaultEvent
-from medic.flows.live import LiveDispatcher, diff_pair, write_asks
+from medic.flows.job_signals import diff_pair, write_asks
+from medic.flows.live import LiveDispatcher
 from medic.integrations.registry import Backends
 from medic.pair_profiles import COOLDOWN, PAIR_STEPS, PairTraces, ProfileAsk, verdict_attributes
 from medic.peers import TIMINGS_CHECK

@@ -114,7 +114,9 @@ def test_a_file_that_is_not_json_is_an_error() -> None:
 
 @pytest.mark.usefixtures("no_shipped_file")
 def test_a_missing_shipped_file_says_what_writes_it() -> None:
-    with pytest.raises(MeasurementError, match=r"missing; `PYTHONPATH=tests python -m bench.recovery` writes it"):
+    with pytest.raises(
+        MeasurementError, match=r"missing; `PYTHONPATH=tests python -m bench.recovery` writes it"
+    ):
         shipped()
 
 

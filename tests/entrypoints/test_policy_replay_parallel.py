@@ -10,13 +10,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from bench.replay import fill
 from checkout import REPO_ROOT
 from forks_support import assert_helper_ends_with_its_parent
 from sqlalchemy import func, select, text, update
 from sqlmodel import col
 
 import medic.apps.cli.replay_parallel as parallel
-from bench.replay import fill
 from medic.events import EventKind
 from medic.policy import LoadedPolicy, load_policy
 from medic.policy.model import Action, Policy

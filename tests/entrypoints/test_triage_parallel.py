@@ -11,13 +11,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
+from bench.triage import generate
 from forks_support import assert_helper_ends_with_its_parent
 from typer.testing import CliRunner
 
 import medic.apps.cli.triage_parallel as parallel
-from bench.triage import generate
 from medic.apps.cli.app import app
-from medic.apps.cli.triage import NEVER, _young_collections_only
+from medic.apps.cli.triage import NEVER, young_collections_only
 
 runner = CliRunner()
 
@@ -120,7 +120,7 @@ def test_a_reading_process_that_dies_fails_the_command_with_the_reason(
 
 def test_a_stream_runs_without_full_collections_and_puts_them_back() -> None:
     before = gc.get_threshold()
-    with pytest.raises(RuntimeError), _young_collections_only():
+    with pytest.raises(RuntimeError), young_collections_only():
         assert gc.get_threshold() == (*before[:2], NEVER)
         raise RuntimeError("a stream that fails")
     assert gc.get_threshold() == before

@@ -29,8 +29,8 @@ from medic.policy import Action
 from medic.protocols import NodeState
 from medic.statuses import ActStatus, StepStatus
 from medic.store import Store
-from medic.tasks.nodes import guard
 from medic.tasks.act import act
+from medic.tasks.nodes import guard
 from medic.tasks.nodes.contain import contain
 from medic.tasks.nodes.evidence import evaluate
 from medic.tasks.nodes.guard import NODE_ACTIONS_LIMIT, ensure_limits, node_actions_slot

@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 from factories import fault_event
 
-from medic.flows.live import LiveDispatcher, Turns
+from medic.flows.containment import Turns
+from medic.flows.live import LiveDispatcher
 from medic.incidents import Incident
 from medic.tasks.runtime.process import Runtime
 
@@ -53,4 +54,4 @@ def test_an_incident_that_will_take_its_node_out_is_contained_first(
         node="gpu-node-2",
         events=[fault_event("xid", node="gpu-node-2", attributes={"code": 13})],
     )
-    assert (dispatcher.urgency(fatal), dispatcher.urgency(quiet)) == (0, 1)
+    assert (dispatcher.containment.urgency(fatal), dispatcher.containment.urgency(quiet)) == (0, 1)

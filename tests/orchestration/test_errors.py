@@ -45,8 +45,8 @@ from medic.policy import Decision, PolicyError
 from medic.policy.model import DuplicateRuleId
 from medic.tasks.act import act
 from medic.tasks.nodes.guard import SlotBusy, SlotLimitMissing, SlotUnavailable
-from medic.tasks.runtime.retry import transient_only
 from medic.tasks.runtime.process import Runtime
+from medic.tasks.runtime.retry import transient_only
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -99,11 +99,11 @@ def test_new_evidence_joins_the_incident_being_handled(
     dispatcher = live_dispatcher(runtime)
     first = event("join-1", "gpu-node-2", code=48)
     runtime.store.record_accepted([first])
-    (incident,) = dispatcher._correlate([first])
+    (incident,) = dispatcher.opener.correlate([first])
     runtime.store.update_incident(incident.id, status="remediating")
     later = event("join-2", "gpu-node-2", code=79)
     runtime.store.record_accepted([later])
-    assert dispatcher._correlate([later]) == []  # no second flow run
+    assert dispatcher.opener.correlate([later]) == []  # no second flow run
     assert [e.id for e in runtime.store.incident_events(incident.id)] == ["join-1", "join-2"]
 
 
@@ -146,7 +146,7 @@ def test_a_switch_storm_is_one_incident_and_touches_no_node(
     # The storm goes on after its incident went to the network team: more evidence, no second run.
     late = event("storm-late", under_leaf_1[0], "nccl_timeout", switch="leaf-1")
     store.record_accepted([late])
-    assert dispatcher._correlate([late]) == []
+    assert dispatcher.opener.correlate([late]) == []
     assert store.incident_events(incident.id)[-1].id == "storm-late"
 
 

@@ -246,13 +246,13 @@ def test_a_node_rebooting_counts_as_out(runtime: Runtime, fleet: SimFleet) -> No
 
 def count_acquisitions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     acquired = [0]
-    real = guard_task._acquire
+    real = guard_task.acquire
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         acquired[0] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(guard_task, "_acquire", counting)
+    monkeypatch.setattr(guard_task, "acquire", counting)
     return acquired
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from prefect.client.orchestration import SyncPrefectClient
 
-from medic.tasks.nodes.guard import _FREED, INCREMENT_PATH, MAX_PAUSE_S, NODE_ACTIONS_LIMIT, _acquire
+from medic.tasks.nodes.guard import FREED, INCREMENT_PATH, MAX_PAUSE_S, NODE_ACTIONS_LIMIT, acquire
 
 RESET = 0  # an answer of none: the connection reset
 
@@ -71,7 +71,7 @@ def test_a_busy_server_is_asked_again_after_milliseconds(busy_api: str) -> None:
     holder = uuid.uuid4()
     client = SyncPrefectClient(busy_api)
     started = time.monotonic()
-    _acquire(client, holder, time.monotonic() + 30)
+    acquire(client, holder, time.monotonic() + 30)
     took = time.monotonic() - started
     assert len(_Busy.bodies) == 3 and took < 1.0  # Prefect's own retry would have slept 2 s and 4 s
     first = _Busy.bodies[0]
@@ -89,14 +89,14 @@ def test_a_slot_freed_in_this_process_wakes_its_waiter_at_once(busy_api: str) ->
     got: list[float] = []
     started = time.monotonic()
     waiter = threading.Thread(
-        target=lambda: (_acquire(client, uuid.uuid4(), started + 30), got.append(time.monotonic()))
+        target=lambda: (acquire(client, uuid.uuid4(), started + 30), got.append(time.monotonic()))
     )
     waiter.start()
     time.sleep(0.3)
     assert not got and len(_Busy.bodies) == 1  # refused once, and waiting
     _Busy.held.clear()
     freed = time.monotonic()
-    _FREED.notify()  # as `node_actions_slot` does once its lease is released
+    FREED.notify()  # as `node_actions_slot` does once its lease is released
     waiter.join(10)
     assert got and got[0] - freed < MAX_PAUSE_S / 2, (
         f"asked again {got and got[0] - freed:.2f} s after the slot came free"
@@ -106,12 +106,12 @@ def test_a_slot_freed_in_this_process_wakes_its_waiter_at_once(busy_api: str) ->
 
 def test_a_connection_reset_is_asked_again_within_the_wait(busy_api: str) -> None:
     _Busy.answers = [RESET, RESET, 503]
-    lease = _acquire(SyncPrefectClient(busy_api), uuid.uuid4(), time.monotonic() + 30)
+    lease = acquire(SyncPrefectClient(busy_api), uuid.uuid4(), time.monotonic() + 30)
     assert lease and len(_Busy.bodies) == 4
 
 
 def test_connection_resets_for_the_whole_wait_are_not_taken_for_a_slot(busy_api: str) -> None:
     _Busy.answers = [RESET] * 1_000
     with pytest.raises(httpx.TransportError):
-        _acquire(SyncPrefectClient(busy_api), uuid.uuid4(), time.monotonic() + 0.5)
+        acquire(SyncPrefectClient(busy_api), uuid.uuid4(), time.monotonic() + 0.5)
     assert 2 <= len(_Busy.bodies) < 1_000

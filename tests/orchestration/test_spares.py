@@ -24,8 +24,8 @@ from medic.integrations.hyperpod import HyperPodProvider
 from medic.integrations.sim.fleet import SimFleet, SimNode
 from medic.protocols import NodeState
 from medic.store import Store
-from medic.tasks.runtime.process import Runtime, configure
 from medic.tasks.nodes.spares import lend_spare
+from medic.tasks.runtime.process import Runtime, configure
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

@@ -1,6 +1,6 @@
 """The incident's Slack message says why its straggler is slow and attaches both traces (issue 39).
 
-`_message` is the one place the message's body is built (medic/flows/remediate.py); it is called here as
+`first_message` is the one place the message's body is built (medic/flows/remediate.py); it is called here as
 the flow calls it, with the incident's events as the store gives them back, without a flow run.
 """
 
@@ -11,7 +11,7 @@ from factories import fault_event
 
 from medic.artifacts import Artifact
 from medic.facts import facts_of
-from medic.flows.remediate import _message
+from medic.flows.remediate import first_message
 from medic.incidents import Incident
 from medic.integrations.registry import Backends
 from medic.integrations.slack.blocks import message_blocks
@@ -68,7 +68,7 @@ def test_the_message_names_the_cause_where_and_what_grew_and_attaches_both_trace
         decision=decision,
     )
 
-    message = _message(triaged, decision, runtime.store.incident_events(slow.id))
+    message = first_message(triaged, decision, runtime.store.incident_events(slow.id))
 
     assert message.title == "Software fault on node-b: none"
     assert "straggler cause software-input (confidence 0.99) in enumerate(DataLoader)" in message.body

@@ -13,7 +13,6 @@ BENCHMARKS.md, "At fleet scale"):
 from __future__ import annotations
 
 import pytest
-
 from bench.fleet_burst import run, run_fatal, run_storm
 
 pytestmark = pytest.mark.system

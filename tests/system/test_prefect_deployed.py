@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from bench.prefect_server import answers
 from checkout import REPO_ROOT
 from prefect.client.orchestration import PrefectClient
 from prefect.client.schemas.objects import FlowRun
@@ -31,7 +32,6 @@ from prefect.events.schemas.events import ReceivedEvent
 from prefect.events.worker import EventsWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from bench.prefect_server import answers
 from medic.incidents import Incident
 from medic.integrations.processes import free_port
 from medic.store import Store

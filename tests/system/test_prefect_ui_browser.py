@@ -19,6 +19,7 @@ from pathlib import Path
 from uuid import UUID
 
 import pytest
+from bench.prefect_server import prefect_on_postgres
 from checkout import REPO_ROOT
 from factories import event_line
 from playwright.sync_api import expect, sync_playwright
@@ -28,7 +29,6 @@ from prefect.events.worker import EventsWorker
 from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from bench.prefect_server import prefect_on_postgres
 from medic.flows.dispatch import remediate_all
 from medic.intake import read_lines
 from medic.integrations import registry

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from bench.profile_diff import PEER, SUSPECT, profile_pair
+
 from medic.profile_diff import Cause, read_summary
 
 pytestmark = pytest.mark.system

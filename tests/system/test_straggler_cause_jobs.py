@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from bench.resume import job_command
+
 from medic.culprit import Differential
 from medic.events import EventKind, FaultEvent
-from medic.flows.live import ask_and_diagnose
+from medic.flows.job_signals import ask_and_diagnose
 from medic.integrations.processes import descendants, kill
 from medic.pair_profiles import PAIR_STEPS
 from medic.profiles import PROFILE_CHECK

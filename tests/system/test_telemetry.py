@@ -8,7 +8,6 @@ nobody is named, which the replicas log (tests/domain/test_peers.py pins that it
 from __future__ import annotations
 
 import pytest
-
 from bench.telemetry import run
 
 pytestmark = pytest.mark.system

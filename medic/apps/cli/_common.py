@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -61,3 +62,17 @@ def runtime_or_exit(policy: Path | None) -> Runtime:
     return configure(
         Runtime(Store(settings.database_url), backends, Path(loaded.path), settings.artifact_root)
     )
+
+
+def parse_since(value: str | None) -> datetime | None:
+    """A `--since` option: an RFC 3339 time (UTC unless it says), or a span back from now (30m, 6h, 7d)."""
+    if not value:
+        return None
+    units = {"m": "minutes", "h": "hours", "d": "days"}
+    if value[-1] in units and value[:-1].isdigit():
+        return datetime.now(UTC) - timedelta(**{units[value[-1]]: int(value[:-1])})
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise typer.BadParameter("use an RFC 3339 time or a span like 30m, 6h, 7d") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)

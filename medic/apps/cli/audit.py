@@ -10,8 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from medic.apps.cli._common import console, err
-from medic.apps.cli.incidents import _since
+from medic.apps.cli._common import console, err, parse_since
 from medic.config import load_settings
 from medic.store import Store
 from medic.store.archive import ArchiveCheck, read_archive, verify_archive
@@ -45,7 +44,7 @@ def audit_verify(
     if archive is not None:
         _verify_archive(store, archive, as_json)
         return
-    result = store.verify_chain(since=_since(since))
+    result = store.verify_chain(since=parse_since(since))
     if as_json:
         sys.stdout.write(json.dumps(_verification_json(result)) + "\n")
     elif result.ok:
@@ -83,7 +82,7 @@ def audit_prune(
     if archive.exists():
         err.print(f"[red]error:[/red] {escape(str(archive))} exists: an archive is never overwritten")
         raise typer.Exit(2)
-    cutoff = _since(before)
+    cutoff = parse_since(before)
     if cutoff is None:
         raise typer.BadParameter("give an RFC 3339 time, a date or a span like 90d", param_hint="--before")
     try:

@@ -65,6 +65,30 @@ def build_scenario(artifacts: Path, now: datetime | None = None) -> Scenario:
     """The fleet, its jobs, scripted diagnostics, and the event lines the faults produce; the
     training job's ranks keep their files under `artifacts` (under MEDIC_ARTIFACT_ROOT)."""
     t0 = (now or datetime.now(UTC)) - timedelta(minutes=3)
+    fleet = _demo_fleet()
+    lines = [json.dumps(e) for e in _fault_events(fleet, t0)]
+    lines[3:3] = BAD_LINES
+    fleet.crash_job("llm-pretrain")
+    fleet.crash_job("vision-ft")
+    # The job's ranks report their step timings every 10 steps from t0 + 72 s (demo_job.py): rank 1's
+    # own work (before its first collective) takes 42% longer than its peers', which peer comparison
+    # names; GPU Medic then asks rank 1 and a healthy peer for a profile of the same steps.
+    job = DemoJob(
+        name="llm-pretrain",
+        nodes=[f"gpu-node-{i}" for i in (1, 2, 3, 4)],
+        switches={f"gpu-node-{i}": fleet.node(f"gpu-node-{i}").switch for i in (1, 2, 3, 4)},
+        folder=artifacts / "llm-pretrain",
+        start=t0 + timedelta(seconds=72),
+        first_step=12_310,
+        windows=4,
+        slow_rank=1,
+        gpu=2,
+    )
+    return Scenario(fleet, lines, list(STORY), job)
+
+
+def _demo_fleet() -> SimFleet:
+    """Twelve nodes of 8 GPUs, four to a leaf switch, two training jobs, and one degraded GPU."""
     fleet = SimFleet.build(nodes=12, gpus=8, per_switch=4)
     fleet.add_job(
         "llm-pretrain",
@@ -85,6 +109,11 @@ def build_scenario(artifacts: Path, now: datetime | None = None) -> Scenario:
     # The degraded GPU on gpu-node-2 passes the quick check; only DCGM level 2's memory test finds it.
     fleet.script_diagnostic("gpu-node-2", 2, "fail", ("DCGM_FR_FAULTY_MEMORY",))
 
+    return fleet
+
+
+def _fault_events(fleet: SimFleet, t0: datetime) -> list[dict[str, Any]]:
+    """The events the demo's faults produce, from `t0` on (the straggler's are its job's own)."""
     events: list[dict[str, Any]] = []
 
     def add(offset_s: float, kind: str, node: str, **fields: Any) -> None:
@@ -114,20 +143,6 @@ def build_scenario(artifacts: Path, now: datetime | None = None) -> Scenario:
         source="dcgm",
         attributes={"error_id": "DCGM_FR_MEMORY_BANDWIDTH"},
     )
-    # The job's ranks report their step timings every 10 steps from t0 + 72 s (demo_job.py): rank 1's
-    # own work (before its first collective) takes 42% longer than its peers', which peer comparison
-    # names; GPU Medic then asks rank 1 and a healthy peer for a profile of the same steps.
-    job = DemoJob(
-        name="llm-pretrain",
-        nodes=[f"gpu-node-{i}" for i in (1, 2, 3, 4)],
-        switches={f"gpu-node-{i}": fleet.node(f"gpu-node-{i}").switch for i in (1, 2, 3, 4)},
-        folder=artifacts / "llm-pretrain",
-        start=t0 + timedelta(seconds=72),
-        first_step=12_310,
-        windows=4,
-        slow_rank=1,
-        gpu=2,
-    )
     # 4. A lone collective timeout on gpu-node-7: a quick DCGM level 1 settles it (passes).
     add(150, "nccl_timeout", "gpu-node-7", job="vision-ft", rank=3, source="job")
     # 5. Every node under leaf-3 times out at once: the switch's trouble, one incident, no node touched.
@@ -135,23 +150,22 @@ def build_scenario(artifacts: Path, now: datetime | None = None) -> Scenario:
         for node in range(9, 13):
             add(160 + second + node / 10, "nccl_timeout", f"gpu-node-{node}", job="eval-sweep", source="job")
 
-    lines = [json.dumps(e) for e in events]
-    lines[3:3] = BAD_LINES
-    fleet.crash_job("llm-pretrain")
-    fleet.crash_job("vision-ft")
-    story = [
-        "gpu-node-3: XID 79 (GPU fallen off the bus), the training job's ranks time out and crash",
-        "gpu-node-5: NaN loss at iteration 8,215 in vision-ft, then the job crashes",
-        "gpu-node-2: DCGM's health watch flags low memory bandwidth on GPU 2; comparing the job's ranks"
-        " with their peers names rank 1 there as the straggler; its profile against a healthy peer's"
-        " (real traces of the reference job, one recorded with a slowed compute op) blames the device,"
-        " so the diagnostics start at DCGM level 2",
-        "gpu-node-7: a lone NCCL timeout; its group, canary, is in observe mode: GPU Medic only says what it"
-        " would do",
-        "leaf-3: all four nodes under the switch report NCCL timeouts at once",
-        "two malformed lines in the feed",
-    ]
-    return Scenario(fleet, lines, story, job)
+    return events
+
+
+# What the demo's faults are, as its banner tells them.
+STORY = (
+    "gpu-node-3: XID 79 (GPU fallen off the bus), the training job's ranks time out and crash",
+    "gpu-node-5: NaN loss at iteration 8,215 in vision-ft, then the job crashes",
+    "gpu-node-2: DCGM's health watch flags low memory bandwidth on GPU 2; comparing the job's ranks"
+    " with their peers names rank 1 there as the straggler; its profile against a healthy peer's"
+    " (real traces of the reference job, one recorded with a slowed compute op) blames the device,"
+    " so the diagnostics start at DCGM level 2",
+    "gpu-node-7: a lone NCCL timeout; its group, canary, is in observe mode: GPU Medic only says what it"
+    " would do",
+    "leaf-3: all four nodes under the switch report NCCL timeouts at once",
+    "two malformed lines in the feed",
+)
 
 
 # Beside the nodes GPU Medic remediates, two it only watches, as a rollout starts (docs/policy.md#groups-and-modes).

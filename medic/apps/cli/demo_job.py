@@ -144,7 +144,7 @@ def through_differential(events: list[FaultEvent], job: DemoJob, root: Path) -> 
     differential as `medic serve` passes them. Its profile requests are written under `root` as
     serve writes them; a pair once in is diffed at once, so the stragglers named after it carry
     the verdict."""
-    from medic.flows.live import ask_and_diagnose  # the flows' module: only when the demo runs
+    from medic.flows.job_signals import ask_and_diagnose  # the flows' module: only when the demo runs
 
     differential = Differential(ask_profiles=True)
     scripted = deque(sorted(events, key=lambda e: e.time))

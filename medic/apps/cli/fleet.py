@@ -11,8 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from medic.ageing import FleetHealth, assess
-from medic.apps.cli._common import console
-from medic.apps.cli.incidents import _since
+from medic.apps.cli._common import console, parse_since
 from medic.config import load_settings
 from medic.store import Store
 
@@ -36,7 +35,7 @@ def fleet_health(
     """Nodes ranked by how likely they are to fail next, with the evidence: incidents again and again
     on one GPU, across jobs and users, and error counters climbing (docs/fleet-health.md)."""
     until = datetime.now(UTC)
-    start = _since(since) or until
+    start = parse_since(since) or until
     store = Store(store_url or load_settings().database_url)
     try:
         incidents = store.past_incidents(start, until)

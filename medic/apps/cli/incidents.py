@@ -3,29 +3,14 @@
 from __future__ import annotations
 
 import sys
-from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 import typer
 
 from medic.apps.cli import render
-from medic.apps.cli._common import console, err
+from medic.apps.cli._common import console, err, parse_since
 from medic.config import load_settings
 from medic.store import Store
-
-
-def _since(value: str | None) -> datetime | None:
-    if not value:
-        return None
-    units = {"m": "minutes", "h": "hours", "d": "days"}
-    if value[-1] in units and value[:-1].isdigit():
-        return datetime.now(UTC) - timedelta(**{units[value[-1]]: int(value[:-1])})
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        raise typer.BadParameter("use an RFC 3339 time or a span like 30m, 6h, 7d") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
-
 
 LEASE_FIELDS = frozenset({"runner", "lease_until"})
 
@@ -39,7 +24,7 @@ def incidents(
 ) -> None:
     """Find incidents in the store: "which jobs did this node touch?", "everything for job J"."""
     store = Store(load_settings().database_url)
-    rows = store.find_incidents(node=node, job=job, owner=owner, since=_since(since))
+    rows = store.find_incidents(node=node, job=job, owner=owner, since=parse_since(since))
     if as_json:
         for row in rows:
             # The lease is which process runs the incident now: bookkeeping, not part of the rows'

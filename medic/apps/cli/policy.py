@@ -231,12 +231,12 @@ def policy_replay(
     what would differ. Exit 1 over --max-changed, 2 for an invalid policy."""
     # The store (SQLAlchemy) is the control plane's: imported here, so that `medic policy check`, `explain`,
     # `test` and `init` run from the node bundle too (gpu-medic[node], docs/install.md).
-    from medic.apps.cli.incidents import _since
+    from medic.apps.cli._common import parse_since
     from medic.apps.cli.replay_parallel import replay_store
     from medic.store import Store
 
     loaded = load_policy_or_exit(file)
-    started = _since(since)
+    started = parse_since(since)
     store = Store(store_url or load_settings().database_url)
     # Weeks of decisions and events are read and compared in one go, allocating millions of objects
     # that live until the end and hold no cycles: the collector would walk them again and again

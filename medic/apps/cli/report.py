@@ -13,8 +13,7 @@ from rich.columns import Columns
 from rich.table import Table
 
 from medic.apps.cli import report_views as views
-from medic.apps.cli._common import console, err
-from medic.apps.cli.incidents import _since
+from medic.apps.cli._common import console, err, parse_since
 from medic.apps.cli.report_html import report_page
 from medic.config import load_settings
 from medic.report import Report, build_report, csv_tables
@@ -35,7 +34,7 @@ def report(
 ) -> None:
     """Post-mortem: incidents by class, action and rule, MTTR, time to first action, the nodes and
     GPUs with the most incidents, goodput lost per job, approvals and who gave them."""
-    started = _since(since)
+    started = parse_since(since)
     built = build_report(
         Store(load_settings().database_url).report_rows(started), since=started, now=utcnow()
     )

@@ -44,29 +44,29 @@ def report_page(report: Report) -> tuple[str, str | None]:
         """The chart, or why it is missing and the tables that hold what it would have shown."""
         if name in charts:
             return f'<img alt="{name} chart" src="data:image/png;base64,{charts[name]}">'
-        return f'<p class="note">Chart left out: {escape(missing or "")}</p>' + _tables(*instead)
+        return f'<p class="note">Chart left out: {escape(missing or "")}</p>' + html_tables(*instead)
 
     sections = [
         ("Summary", "summary", _summary(report)),
         (
             "Incidents by classification, action and rule",
             "counts",
-            chart("counts") + _tables(*views.counts(report)),
+            chart("counts") + html_tables(*views.counts(report)),
         ),
         (
             "Time to repair and to first action",
             "durations",
-            chart("durations", views.histograms(report)) + _tables(views.durations(report)),
+            chart("durations", views.histograms(report)) + html_tables(views.durations(report)),
         ),
         (
             "Nodes and GPUs with the most incidents",
             "nodes",
-            chart("nodes") + _tables(views.nodes(report), views.gpus(report)),
+            chart("nodes") + html_tables(views.nodes(report), views.gpus(report)),
         ),
-        ("Goodput lost per job", "goodput", chart("goodput") + _tables(views.goodput(report))),
-        ("Approvals", "approvals", _tables(views.approvals(report), views.approvers(report))),
-        ("Nodes held", "held", _tables(views.held(report))),
-        ("Incidents", "incidents", _tables(views.incidents(report))),
+        ("Goodput lost per job", "goodput", chart("goodput") + html_tables(views.goodput(report))),
+        ("Approvals", "approvals", html_tables(views.approvals(report), views.approvers(report))),
+        ("Nodes held", "held", html_tables(views.held(report))),
+        ("Incidents", "incidents", html_tables(views.incidents(report))),
     ]
     body = "".join(
         f'<section id="{anchor}"><h2>{escape(title)}</h2>{html}</section>\n'
@@ -84,7 +84,7 @@ def report_page(report: Report) -> tuple[str, str | None]:
     return page, missing
 
 
-def _tables(*tables: View) -> str:
+def html_tables(*tables: View) -> str:
     return f'<div class="tables">{"".join(_table(t) for t in tables)}</div>'
 
 

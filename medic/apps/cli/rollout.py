@@ -10,8 +10,7 @@ from typing import Annotated
 
 import typer
 
-from medic.apps.cli._common import PolicyOption, console, err, load_policy_or_exit
-from medic.apps.cli.incidents import _since
+from medic.apps.cli._common import PolicyOption, console, err, load_policy_or_exit, parse_since
 from medic.apps.cli.rollout_html import rollout_page
 from medic.config import load_settings
 from medic.rollout import Group, Override, RolloutReport
@@ -62,7 +61,7 @@ def rollout_report(
     """Per node group: agreed, disagreed, would have acted where people did nothing (missed by people or
     a false alarm), people acted where GPU Medic saw nothing, minutes saved, and a readiness line against
     the policy's thresholds (an option given wins over them, for every group)."""
-    started = _since(since)
+    started = parse_since(since)
     loaded = load_policy_or_exit(policy)
     store = Store(load_settings().database_url)
     built = store.rollout_report(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from html import escape
 from itertools import pairwise
 
-from medic.apps.cli.report_html import STYLE, _tables
+from medic.apps.cli.report_html import STYLE, html_tables
 from medic.apps.cli.report_views import View, when
 from medic.rollout import Group, Pair, RolloutReport
 
@@ -79,8 +79,8 @@ def _section(g: Group) -> str:
         f"<h2>group {escape(g.name)} <small>mode now: {escape(g.mode_now or 'unknown')}; "
         f"decisions by mode: {escape(history)}</small></h2>{verdict}"
         f'<figure class="plot" data-group="{escape(g.name)}">{_plot(g)}</figure>'
-        + _tables(_counts(g), _thresholds(g))
-        + _tables(_pairs(g), _missed(g))
+        + html_tables(_counts(g), _thresholds(g))
+        + html_tables(_pairs(g), _missed(g))
         + "</section>\n"
     )
 

@@ -70,7 +70,7 @@ def triage(
 
         try:
             read = reader.events(lambda rejection: report_rejections(Intake(rejected=[rejection])))
-            with _young_collections_only():
+            with young_collections_only():
                 for result in stream(_with_progress(read, reader, events.stat().st_size), loaded, fleet_size):
                     take(result)
             duplicates = reader.duplicates
@@ -127,7 +127,7 @@ def _group_cell(placement: groups.Placement) -> str | Text:
 
 
 @contextmanager
-def _young_collections_only() -> Iterator[None]:
+def young_collections_only() -> Iterator[None]:
     """The cyclic collector without its full collections while a file streams through.
 
     A stream keeps hundreds of thousands of objects alive for a while (the windows' events, the

@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,10 +153,33 @@ def create_app(
 ) -> FastAPI:
     """The app. `on_start` runs once at startup, beside the backlog's hand-on (the warm path
     resumes there the incidents a previous process left unfinished)."""
-    auth = Auth.of(tokens, hmac_secret)
-    metrics = IngestMetrics(store)
     relay = _Relay(on_accepted) if on_accepted is not None else None
-    writer = _Writer.of(store)
+    app = FastAPI(
+        title="GPU Medic ingest",
+        lifespan=_lifespan(store, relay, on_start),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    routes = _IngestRoutes(
+        Auth.of(tokens, hmac_secret), IngestMetrics(store), relay, _Writer.of(store), max_body_bytes
+    )
+    routes.add(app, "/v1/events", routes.post_events)
+    mapping = alert_map if alert_map is not None else shipped_map()
+    routes.add(app, "/v1/alertmanager", lambda request: routes.post_alertmanager(request, mapping))
+    if sentry_secret:
+        options = sentry_options or sentry.Options()
+        routes.add(app, "/v1/sentry", lambda request: routes.post_sentry(request, sentry_secret, options))
+    if slack is not None:
+        _add_slack(app, slack)
+    _add_health(app, store, routes.metrics)
+    return app
+
+
+def _lifespan(
+    store: Store, relay: _Relay | None, on_start: OnStart | None
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Startup hands on the backlog and runs `on_start`; shutdown hands on what is queued, briefly."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -177,11 +200,21 @@ def create_app(
                     await relay.finished.wait()
                 tasks.cancel_scope.cancel()
 
-    app = FastAPI(
-        title="GPU Medic ingest", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
-    )
+    return lifespan
 
-    def ingest_route(path: str, handler: Callable[[Request], Awaitable[Response]]) -> None:
+
+@dataclass(frozen=True, slots=True)
+class _IngestRoutes:
+    """The POST routes that store events: each authenticates, reads a bounded body, commits in a
+    worker thread and answers with what was stored, counted on /metrics."""
+
+    auth: Auth
+    metrics: IngestMetrics
+    relay: _Relay | None
+    writer: _Writer
+    max_body_bytes: int
+
+    def add(self, app: FastAPI, path: str, handler: Callable[[Request], Awaitable[Response]]) -> None:
         """Add an ingest route: a refusal is its answer, and every answer is timed by its status."""
 
         async def route(request: Request) -> Response:
@@ -198,16 +231,30 @@ def create_app(
                 code = response.status_code
                 return response
             finally:
-                metrics.latency.labels(code=str(code)).observe(time.perf_counter() - started)
+                self.metrics.latency.labels(code=str(code)).observe(time.perf_counter() - started)
 
         app.add_api_route(path, route, methods=["POST"])
 
-    async def post_events(request: Request) -> Response:
-        if auth.bearer_ok(request.headers.get("authorization")):
-            body = await _read_body(request, max_body_bytes)
-        elif request.headers.get(SIGNATURE_HEADER) and auth.hmac_secret is not None:
-            body = await _read_body(request, max_body_bytes)
-            if not auth.signature_ok(request.headers.get(SIGNATURE_HEADER), body):
+    def answered(self, done: Ingested, ignored: list[alertmanager.Ignored] | None = None) -> Response:
+        self.metrics.received.inc(done.received)
+        self.metrics.stored.inc(len(done.stored))
+        self.metrics.duplicates.inc(len(done.reply.duplicates))
+        self.metrics.rejected.inc(done.rejected)
+        if done.stored and self.relay is not None:
+            self.relay.send(done.stored)
+        reply = done.reply.model_dump(exclude_none=True)
+        if ignored:
+            reply["ignored"] = [i.model_dump() for i in ignored]
+        # 202: an authentic body that held nothing to act on (as /v1/sentry answers it).
+        status = 422 if done.rejected else 202 if ignored and not done.received else 200
+        return JSONResponse(reply, status_code=status)
+
+    async def post_events(self, request: Request) -> Response:
+        if self.auth.bearer_ok(request.headers.get("authorization")):
+            body = await _read_body(request, self.max_body_bytes)
+        elif request.headers.get(SIGNATURE_HEADER) and self.auth.hmac_secret is not None:
+            body = await _read_body(request, self.max_body_bytes)
+            if not self.auth.signature_ok(request.headers.get(SIGNATURE_HEADER), body):
                 raise _Refused(401, f"{SIGNATURE_HEADER} does not match the body")
         else:
             raise _Refused(
@@ -217,93 +264,72 @@ def create_app(
         content_type = request.headers.get("content-type")
         ce_headers = binary_headers(request.headers.items())  # CloudEvents binary mode
         done = await anyio.to_thread.run_sync(
-            ingest, writer, body, content_type, _remote(request), ce_headers
+            ingest, self.writer, body, content_type, _remote(request), ce_headers
         )
-        return _answered(done)
+        return self.answered(done)
 
-    def _answered(done: Ingested, ignored: list[alertmanager.Ignored] | None = None) -> Response:
-        metrics.received.inc(done.received)
-        metrics.stored.inc(len(done.stored))
-        metrics.duplicates.inc(len(done.reply.duplicates))
-        metrics.rejected.inc(done.rejected)
-        if done.stored and relay is not None:
-            relay.send(done.stored)
-        reply = done.reply.model_dump(exclude_none=True)
-        if ignored:
-            reply["ignored"] = [i.model_dump() for i in ignored]
-        # 202: an authentic body that held nothing to act on (as /v1/sentry answers it).
-        status = 422 if done.rejected else 202 if ignored and not done.received else 200
-        return JSONResponse(reply, status_code=status)
-
-    ingest_route("/v1/events", post_events)
-
-    mapping = alert_map if alert_map is not None else shipped_map()
-
-    def take_alerts(body: bytes, remote: str) -> tuple[Ingested, list[alertmanager.Ignored]]:
-        translated = alertmanager.translate(body, remote, mapping)
-        return commit(writer, translated.decoded), translated.ignored
-
-    async def post_alertmanager(request: Request) -> Response:
+    async def post_alertmanager(self, request: Request, mapping: AlertMap) -> Response:
         authorization = request.headers.get("authorization")
-        if not (auth.bearer_ok(authorization) or auth.basic_ok(authorization)):
+        if not (self.auth.bearer_ok(authorization) or self.auth.basic_ok(authorization)):
             raise _Refused(
                 401,
                 "a bearer token, or basic auth with a token as password, is required",
                 {"WWW-Authenticate": alertmanager.CHALLENGE},
             )
-        body = await _read_body(request, max_body_bytes)
+        body = await _read_body(request, self.max_body_bytes)
         _refuse_encoded(request)
-        done, ignored = await anyio.to_thread.run_sync(take_alerts, body, _remote(request))
+
+        def take(remote: str) -> tuple[Ingested, list[alertmanager.Ignored]]:
+            translated = alertmanager.translate(body, remote, mapping)
+            return commit(self.writer, translated.decoded), translated.ignored
+
+        done, ignored = await anyio.to_thread.run_sync(take, _remote(request))
         for _ in ignored:
-            metrics.alertmanager_ignored.labels(reason=alertmanager.RESOLVED).inc()
-        return _answered(done, ignored)
+            self.metrics.alertmanager_ignored.labels(reason=alertmanager.RESOLVED).inc()
+        return self.answered(done, ignored)
 
-    ingest_route("/v1/alertmanager", post_alertmanager)
+    async def post_sentry(self, request: Request, secret: bytes, options: sentry.Options) -> Response:
+        body = await _read_body(request, self.max_body_bytes)
+        if not sentry.signature_ok(secret, body, request.headers.get(sentry.SIGNATURE_HEADER)):
+            raise _Refused(401, f"{sentry.SIGNATURE_HEADER} does not match the body")
+        # Checked after the signature, so a stranger learns nothing; the timestamp itself is
+        # not signed, so this bounds replays of a captured request, and event ids dedupe the rest.
+        stale = sentry.timestamp_problem(
+            request.headers.get(sentry.TIMESTAMP_HEADER), time.time(), options.window_s
+        )
+        if stale:
+            raise _Refused(401, stale)
+        _refuse_encoded(request)
+        resource = request.headers.get(sentry.RESOURCE_HEADER)
 
-    if sentry_secret:
-        secret, options = sentry_secret, sentry_options or sentry.Options()
-
-        def take(body: bytes, resource: str | None, remote: str) -> Ingested | sentry.Translated:
+        def take(remote: str) -> Ingested | sentry.Translated:
             """Translate and commit in one trip to a worker thread: the loop only reads and answers."""
             translated = sentry.translate(body, resource, remote, reject_unmatched=options.reject_unmatched)
-            return translated if translated.ignored else commit(writer, translated.decoded)
+            return translated if translated.ignored else commit(self.writer, translated.decoded)
 
-        async def post_sentry(request: Request) -> Response:
-            body = await _read_body(request, max_body_bytes)
-            if not sentry.signature_ok(secret, body, request.headers.get(sentry.SIGNATURE_HEADER)):
-                raise _Refused(401, f"{sentry.SIGNATURE_HEADER} does not match the body")
-            # Checked after the signature, so a stranger learns nothing; the timestamp itself is
-            # not signed, so this bounds replays of a captured request, and event ids dedupe the rest.
-            stale = sentry.timestamp_problem(
-                request.headers.get(sentry.TIMESTAMP_HEADER), time.time(), options.window_s
-            )
-            if stale:
-                raise _Refused(401, stale)
-            _refuse_encoded(request)
-            resource = request.headers.get(sentry.RESOURCE_HEADER)
-            done = await anyio.to_thread.run_sync(take, body, resource, _remote(request))
-            if isinstance(done, sentry.Translated):
-                metrics.sentry_ignored.labels(reason=done.reason or sentry.NO_ERROR_EVENT).inc()
-                return JSONResponse({"ignored": done.ignored}, status_code=202)
-            return _answered(done)
+        done = await anyio.to_thread.run_sync(take, _remote(request))
+        if isinstance(done, sentry.Translated):
+            self.metrics.sentry_ignored.labels(reason=done.reason or sentry.NO_ERROR_EVENT).inc()
+            return JSONResponse({"ignored": done.ignored}, status_code=202)
+        return self.answered(done)
 
-        ingest_route("/v1/sentry", post_sentry)
 
-    if slack is not None:
+def _add_slack(app: FastAPI, slack: SlackCallbacks) -> None:
+    @app.post("/v1/slack/interactions")
+    async def slack_interactions(request: Request) -> Response:
+        # Refused before a byte of the body is read when it is unsigned or stale, and read
+        # only up to Slack's size: an unauthenticated flood never grows the service.
+        early = refuse_early(request)
+        if early is not None:
+            return early
+        try:
+            body = await _read_body(request, SLACK_MAX_BODY_BYTES)
+        except _Refused as refused:
+            return refused.response
+        return await handle_slack(request, body, slack)
 
-        @app.post("/v1/slack/interactions")
-        async def slack_interactions(request: Request) -> Response:
-            # Refused before a byte of the body is read when it is unsigned or stale, and read
-            # only up to Slack's size: an unauthenticated flood never grows the service.
-            early = refuse_early(request)
-            if early is not None:
-                return early
-            try:
-                body = await _read_body(request, SLACK_MAX_BODY_BYTES)
-            except _Refused as refused:
-                return refused.response
-            return await handle_slack(request, body, slack)
 
+def _add_health(app: FastAPI, store: Store, metrics: IngestMetrics) -> None:
     @app.get("/healthz")
     async def healthz() -> Response:
         try:
@@ -324,8 +350,6 @@ def create_app(
         encode, content_type = choose_encoder(request.headers.get("accept", ""))
         text = await anyio.to_thread.run_sync(encode, metrics.registry)
         return Response(text, headers={"Content-Type": content_type})
-
-    return app
 
 
 RELAY_BATCH = 1000  # events handed on in one call at most, as many requests' batches as are waiting

@@ -136,7 +136,7 @@ class SlotLimitMissing(SlotUnavailable, PermanentError):
 def node_actions_slot(holder: UUID, wait_seconds: float = WAIT_SECONDS) -> Iterator[None]:
     """Hold the one `medic-node-actions` slot, as flow run `holder`."""
     with _client() as client:
-        lease = _acquire(client, holder, time.monotonic() + wait_seconds)
+        lease = acquire(client, holder, time.monotonic() + wait_seconds)
         released = threading.Event()
         # In the caller's context: Prefect's settings (its API URL among them) may be set in-process,
         # and a thread started bare would renew on a temporary server of its own.
@@ -153,7 +153,7 @@ def node_actions_slot(holder: UUID, wait_seconds: float = WAIT_SECONDS) -> Itera
             released.set()
             renewing.join()
             client.release_concurrency_slots_with_lease(lease)
-            _FREED.notify()
+            FREED.notify()
 
 
 def _renew(lease: UUID, released: threading.Event) -> None:
@@ -208,13 +208,13 @@ class _Freed:
                 self._condition.wait(seconds)
 
 
-_FREED = _Freed()
+FREED = _Freed()
 
 
-def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
+def acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
     pause = 0.02
     while True:
-        seen = _FREED.count  # before asking: a slot freed while the answer comes back wakes the wait
+        seen = FREED.count  # before asking: a slot freed while the answer comes back wakes the wait
         try:
             return _lease_of(_increment(client, holder))
         except httpx.HTTPStatusError as error:
@@ -223,7 +223,7 @@ def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise SlotBusy(f"no {NODE_ACTIONS_LIMIT} slot within the wait") from error
-            _FREED.wait(min(_retry_after(error.response, pause), MAX_PAUSE_S, left), seen)
+            FREED.wait(min(_retry_after(error.response, pause), MAX_PAUSE_S, left), seen)
         except httpx.TransportError:
             # No answer: a pooled connection the server closed as the request went out (a keep-alive
             # race, seen under load), or the API briefly away. Prefect's own client sends these again,
@@ -232,14 +232,14 @@ def _acquire(client: SyncPrefectClient, holder: UUID, deadline: float) -> UUID:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise
-            _FREED.wait(min(pause, left), seen)
+            FREED.wait(min(pause, left), seen)
         pause = min(pause * 2, 1.0)
 
 
 def _increment(client: SyncPrefectClient, holder: UUID) -> httpx.Response:
     """One try for the slot (`increment_concurrency_slots_with_lease`'s request), sent past the
     client's retry wrapper: even with its retries off, that sleeps 2 s after a busy answer before
-    handing it back, and `_acquire` asks again after milliseconds."""
+    handing it back, and `acquire` asks again after milliseconds."""
     body = {
         "names": [NODE_ACTIONS_LIMIT],
         "slots": 1,

@@ -101,5 +101,7 @@ def shipped() -> Measurement:
     try:
         text = resources.files("medic").joinpath(MEASURED_FILE).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise MeasurementError(f"{where}: missing; `PYTHONPATH=tests python -m bench.recovery` writes it") from None
+        raise MeasurementError(
+            f"{where}: missing; `PYTHONPATH=tests python -m bench.recovery` writes it"
+        ) from None
     return parse(text, where)
