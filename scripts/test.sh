@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command on a fresh machine: install what the tests need, then run the whole suite
-# (unit, Prefect flows, PostgreSQL, a real Prefect server) and the linter.
+# (unit, Prefect flows, PostgreSQL, Slurm, a real Prefect server) after the linters (docs/testing.md).
 # Extra arguments go to pytest, e.g. scripts/test.sh -k flow
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,7 +41,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED=false
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports --no-cache  # the layers (pyproject.toml, docs/architecture.md)
-.venv/bin/mypy  # the domain's types
+.venv/bin/mypy  # every module of the medic package, every layer ([tool.mypy] in pyproject.toml)
 # Two workers, each taking whole files (a file's fixtures, its Slurm cluster or Prefect server, stay
 # in one process): most of the suite's time is system tests waiting on their services, so the two
 # halve it on two cores (MEDIC_TEST_WORKERS=0 runs it in this process).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,29 @@ def test_the_measures_see_what_they_forbid(tmp_path: Path) -> None:
     sample.write_text(f"from medic.apps.cli.incidents import _hidden, shown\n\n\ndef f():\n{body}\n")
     assert long_functions([sample]) == [f"{sample}:4 f: {MAX_FUNCTION_LINES + 1} lines"]
     assert private_imports([sample]) == [f"{sample}:1 medic.apps.cli.incidents._hidden"]
+
+
+def test_the_architecture_s_map_names_files_that_exist() -> None:
+    text = (REPO_ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## An incident, stage by stage", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(medic/[\w/]+\.py)`", section))
+    assert len(named) >= 30
+    assert sorted(p for p in named if not (REPO_ROOT / p).is_file()) == []
+    stages = [
+        row.split("|")[1].strip() for row in section.splitlines() if row.startswith("| ") and "---" not in row
+    ]
+    assert stages[1:] == [
+        "intake",
+        "job signals",
+        "open",
+        "contain",
+        "triage",
+        "decide",
+        "diagnose",
+        "approve",
+        "act",
+        "resume",
+        "verify",
+        "notify",
+        "close",
+    ]
