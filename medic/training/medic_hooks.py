@@ -17,8 +17,9 @@ recent past, or once a request file for it appears in `directory`; the loop (whi
 the next steps into the request's path and calls `hooks.profiled(...)`, which reports it.
 
 Every event is a GPU Medic fault event (docs/events.md; the model is FaultEvent in medic/events.py),
-one JSON object per line, appended to a file or POSTed to a URL. Reporting never stops training:
-a failed HTTP delivery is logged only.
+one JSON object per line, appended to a file or POSTed to a URL (`HttpSink`: from a thread of its
+own, in batches, with the bearer token of MEDIC_TOKEN_FILE or MEDIC_TOKEN). Reporting never stops
+training: a step only queues its event, and a failed delivery is tried again in the background.
 
 This file runs inside every rank of someone else's job, so it needs the standard library only:
 no pydantic, no gpu-medic package, not even torch. `Event` checks what the schema checks for the
@@ -28,6 +29,7 @@ validates every kind it writes with the domain model.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import logging
@@ -40,7 +42,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -50,6 +52,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import urllib.error
     import urllib.request
 
 log = logging.getLogger("medic_hooks")
@@ -59,6 +62,13 @@ REPORTED_NOTE = "reported to GPU Medic as "  # marks an exception so watch() and
 TIMEOUT_WORDS = ("timeout", "timed out")
 MAX_TEXT = 200  # the schema's limit on id, source, node, job and switch
 JOB_HEADER = "X-Medic-Job"  # what a load balancer in front of replicas routes on (HttpSink)
+# HttpSink: where its bearer token comes from (GPU Medic's agent reads the same MEDIC_TOKEN).
+TOKEN_ENV, TOKEN_FILE_ENV = "MEDIC_TOKEN", "MEDIC_TOKEN_FILE"
+MAX_QUEUE = 10_000  # events queued while GPU Medic is slow or away; the oldest go first past it
+MAX_BATCH = 500  # events in one POST (a few hundred kB, far under the intake's 16 MB)
+FLUSH_S = 5.0  # how long the process waits for queued events at exit and after a crash
+BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0)  # pauses between tries while delivery fails
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})  # passing: try again
 MAX_TIMINGS_EVERY = 400  # a report's two lists stay within the schema's 1000 attribute items
 
 
@@ -211,33 +221,201 @@ class FileSink:
 
 
 class HttpSink:
-    """POSTs each event as one JSON line (application/x-ndjson) to GPU Medic's intake URL."""
+    """Delivers events to GPU Medic's intake URL from a thread of its own, so that a slow or unreachable
+    GPU Medic never holds a step: `emit` only queues. The thread POSTs what queued in batches (one
+    request a batch, JSON lines, `application/x-ndjson`), authenticated as GPU Medic's other senders
+    are (`Authorization: Bearer`, the token from MEDIC_TOKEN_FILE or MEDIC_TOKEN; never in the URL).
 
-    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+    A delivery that fails for a passing reason (no connection, a timeout, 408, 429, 5xx) is tried again
+    after a growing pause (BACKOFF_S; a longer Retry-After is honoured), its batch kept first in line.
+    Meanwhile the queue holds at most `max_queue` events: past that the oldest go, counted, and said
+    once delivery resumes. A refusal (401/403: the token; 422: events the schema rejects; any other
+    4xx) is not tried again, and each is logged once with GPU Medic's reason, not once per event.
+    `flush` waits, bounded, for what is queued: at exit, and from `MedicHooks.crash`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        max_queue: int = MAX_QUEUE,
+        max_batch: int = MAX_BATCH,
+    ) -> None:
         self.url = url
+        self.token = token if token is not None else token_from(os.environ)
         self.timeout_s = timeout_s
+        self.max_queue, self.max_batch = max_queue, max_batch
+        self.dropped = 0  # events the full queue let go, in all
+        self.refused = 0  # events GPU Medic refused for good, in all
+        self.delivered = 0  # events GPU Medic took, in all
+        self._dropped_unsaid = 0
+        self._told: set[str] = set()  # each refusal's reason, logged once
+        self._failures = 0  # tries in a row that failed for a passing reason
+        self._start()
 
-    def request(self, event: Event) -> urllib.request.Request:
+    def _start(self) -> None:
+        """A fresh queue and no thread yet: at construction, and in a forked child (the thread is
+        the parent's; a data loader's worker that reports gets its own)."""
+        self._pid = os.getpid()
+        self._queue: deque[Event] = deque()
+        self._sending = 0  # events in the request under way
+        self._cond = threading.Condition()
+        self._wake = False  # flush asks for a try now instead of after the pause
+        self._thread: threading.Thread | None = None
+
+    def emit(self, event: Event) -> None:
+        if os.getpid() != self._pid:
+            self._start()
+        with self._cond:
+            if len(self._queue) >= self.max_queue:
+                self._queue.popleft()
+                self.dropped += 1
+                self._dropped_unsaid += 1
+            self._queue.append(event)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="medic-hooks-sink", daemon=True)
+                self._thread.start()
+                atexit.register(self.flush)
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float = FLUSH_S) -> bool:
+        """Wait up to `timeout_s` for every queued event to be delivered or refused; a pause before
+        the next try is cut short. True when nothing is left."""
+        with self._cond:
+            self._wake = True
+            self._cond.notify_all()
+            done = self._cond.wait_for(lambda: not self._queue and not self._sending, timeout_s)
+        if not done:
+            log.warning("%d event(s) not delivered to %s yet", len(self._queue) + self._sending, self.url)
+        return done
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue)
+                batch = self._take()
+            pause = self._send(batch)
+            with self._cond:
+                self._sending = 0
+                if pause:  # kept first in line, within the bound
+                    self._queue.extendleft(reversed(batch))
+                    while len(self._queue) > self.max_queue:
+                        self._queue.popleft()
+                        self.dropped += 1
+                        self._dropped_unsaid += 1
+                self._cond.notify_all()
+                if pause:
+                    self._wake = False
+                    self._cond.wait_for(lambda: self._wake, pause)
+
+    def _take(self) -> list[Event]:
+        """The oldest events, up to `max_batch`, of one job (the request's X-Medic-Job)."""
+        job = self._queue[0].job
+        batch: list[Event] = []
+        while self._queue and len(batch) < self.max_batch and self._queue[0].job == job:
+            batch.append(self._queue.popleft())
+        self._sending = len(batch)
+        return batch
+
+    def request(self, batch: list[Event]) -> urllib.request.Request:
         import urllib.request  # here, not at the top: it costs a rank ~30 ms that a file sink never needs
 
+        headers = {"Content-Type": "application/x-ndjson"} | _routing(batch[0].job)
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
         return urllib.request.Request(
             self.url,
-            data=(event.to_json() + "\n").encode(),
-            # A load balancer in front of several replicas routes on it: a job's peer comparison
-            # needs every rank's step timings in one replica (GPU Medic's docs/serve.md).
-            headers={"Content-Type": "application/x-ndjson"} | _routing(event.job),
+            data="".join(event.to_json() + "\n" for event in batch).encode(),
+            # A load balancer in front of several replicas routes on the job: a job's peer
+            # comparison needs every rank's step timings in one replica (GPU Medic's docs/serve.md).
+            headers=headers,
             method="POST",
         )
 
-    def emit(self, event: Event) -> None:
+    def _send(self, batch: list[Event]) -> float:
+        """POST one batch: 0 when it is settled (taken or refused), else the pause before trying again."""
         import urllib.error
         import urllib.request
 
         try:
-            with urllib.request.urlopen(self.request(event), timeout=self.timeout_s) as response:
+            with urllib.request.urlopen(self.request(batch), timeout=self.timeout_s) as response:
                 response.read()
-        except (urllib.error.URLError, OSError) as error:
-            log.warning("could not deliver %s event %s to %s: %s", event.kind, event.id, self.url, error)
+        except urllib.error.HTTPError as error:
+            if error.code in RETRY_STATUSES:
+                return self._failed(f"HTTP {error.code}", _retry_after(error.headers.get("Retry-After")))
+            self.refused += len(batch)
+            self._tell(f"HTTP {error.code}", _reason(error))
+            return 0.0
+        except (urllib.error.URLError, OSError) as error:  # no connection, a timeout, a reset
+            return self._failed(str(getattr(error, "reason", error)), 0.0)
+        self.delivered += len(batch)
+        if self._failures or self._dropped_unsaid:
+            log.warning(
+                "delivering events to %s again after %d failed tries; %d event(s) dropped meanwhile "
+                "(the queue holds %d)",
+                self.url,
+                self._failures,
+                self._dropped_unsaid,
+                self.max_queue,
+            )
+        self._failures = self._dropped_unsaid = 0
+        return 0.0
+
+    def _failed(self, why: str, retry_after_s: float) -> float:
+        self._failures += 1
+        pause = max(BACKOFF_S[min(self._failures, len(BACKOFF_S)) - 1], min(retry_after_s, BACKOFF_S[-1]))
+        if self._failures == 1:  # once per outage; the recovery line says how long it lasted
+            log.warning("could not deliver events to %s (%s); trying again in the background", self.url, why)
+        return pause
+
+    def _tell(self, status: str, reason: str) -> None:
+        if status in self._told:
+            return
+        self._told.add(status)
+        hint = ""
+        if status in ("HTTP 401", "HTTP 403"):
+            hint = f" (set {TOKEN_FILE_ENV} or {TOKEN_ENV} to a token GPU Medic accepts)"
+        log.error("GPU Medic at %s refused events: %s %s%s; not sent again", self.url, status, reason, hint)
+
+
+def token_from(env: Mapping[str, str]) -> str | None:
+    """The bearer token: the file MEDIC_TOKEN_FILE names (a secret mounted as a file), else MEDIC_TOKEN."""
+    path = env.get(TOKEN_FILE_ENV)
+    if path:
+        try:
+            return Path(path).read_text(encoding="utf-8").strip() or None
+        except OSError as error:
+            log.error(
+                "could not read %s=%s: %s; events are sent without a token", TOKEN_FILE_ENV, path, error
+            )
+            return None
+    return env.get(TOKEN_ENV) or None
+
+
+def _retry_after(value: str | None) -> float:
+    try:
+        return float(value) if value else 0.0
+    except ValueError:  # an HTTP date: the pause of our own will do
+        return 0.0
+
+
+def _reason(error: urllib.error.HTTPError) -> str:
+    """GPU Medic's reason for a refusal, from its JSON answer when there is one."""
+    try:
+        body = error.read().decode("utf-8", "replace")
+    except Exception:
+        return str(error)
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return body[:300]
+    if isinstance(answer, dict):
+        if "error" in answer:
+            return str(answer["error"])[:300]
+        if answer.get("rejected"):
+            return json.dumps(answer["rejected"][:3])[:300]
+    return body[:300]
 
 
 def _routing(job: str | None) -> dict[str, str]:
@@ -694,7 +872,16 @@ class MedicHooks:
     def crash(self, exit_code: int) -> Event:
         """Call just before the process exits with a failure code."""
         code = operator.index(exit_code)  # numpy/torch ints too; the schema wants an integer
-        return self.event(Kind.JOB_CRASH, iteration=self.last_step, exit_code=int(code))
+        event = self.event(Kind.JOB_CRASH, iteration=self.last_step, exit_code=int(code))
+        self.flush()
+        return event
+
+    def flush(self, timeout_s: float = FLUSH_S) -> None:
+        """Wait, at most `timeout_s`, for the sink to deliver what it queued (an HTTP sink; a file
+        sink writes as it goes): before the process ends on a fault it reported."""
+        flush = getattr(self.sink, "flush", None)  # a sink of the caller's own may have none
+        if callable(flush):
+            flush(timeout_s)
 
     def report_exception(self, error: BaseException) -> Event | None:
         """nccl_timeout for a collective timeout, job_crash (exit code 1) for anything else; once each."""
@@ -713,6 +900,7 @@ class MedicHooks:
             # 1 is the exit code Python gives an uncaught exception.
             event = self.event(Kind.JOB_CRASH, iteration=self.last_step, exit_code=1, **what)
         error.add_note(f"{REPORTED_NOTE}{event.kind.value} event {event.id}")
+        self.flush()  # the exception is about to end the process, or its step
         return event
 
     @contextmanager

@@ -17,6 +17,7 @@ from bench import (
     agent,
     flow_overhead,
     hang,
+    hooks_sink,
     hostile,
     ingest,
     live,
@@ -52,6 +53,7 @@ BENCHMARKS: list[tuple[str, Callable[[], dict[str, Any]], Callable[[dict[str, An
     ("hang", hang.run, hang.section),
     ("profile diff", profile_diff.run, profile_diff.section),
     ("recovery", recovery.run, recovery.section),
+    ("hooks sink", hooks_sink.run, hooks_sink.section),
 ]
 
 

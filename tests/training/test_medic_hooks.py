@@ -212,8 +212,8 @@ def test_the_http_sink_names_the_job_for_a_load_balancer_to_route_on(intake_url:
 
 def test_an_unreachable_intake_does_not_stop_training(caplog: pytest.LogCaptureFixture) -> None:
     hooks = hooks_for(f"http://127.0.0.1:{free_port()}/events")
-    event = hooks.crash(2)
-    assert f"could not deliver job_crash event {event.id}" in caplog.text
+    hooks.crash(2)
+    assert "could not deliver events to" in caplog.text
 
 
 # The contract with the consumer: the library writes exactly the documents the domain model does.

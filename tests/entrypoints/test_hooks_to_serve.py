@@ -1,0 +1,60 @@
+"""The training hooks' HTTP sink against `medic serve` as a site runs it: authentication on (serve
+refuses to start without it), the hooks' token from the environment, their events stored. A rank
+without the token is refused once, said once, and trains on."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+from serve_process import TOKEN, free_port, server_process
+
+from medic.store import Store
+from medic.training.medic_hooks import TOKEN_ENV, HttpSink, MedicHooks
+
+JOB, NODE = "llm-7b", "gpu-node-3"
+
+
+def stored(database: Path, ids: list[str], timeout_s: float = 20) -> set[str]:
+    store = Store(f"sqlite:///{database}")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while (found := store.known_event_ids(ids)) != set(ids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return found
+    finally:
+        store.close()
+
+
+def test_a_job_s_events_reach_an_authenticated_serve_and_a_rank_without_the_token_is_told_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    env = {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": "", "MEDIC_BACKENDS": "sim"}
+    database, port = tmp_path / "medic.db", free_port()
+    url = f"http://127.0.0.1:{port}/v1/events"
+    with server_process(database, port, env):
+        monkeypatch.setenv(TOKEN_ENV, TOKEN)
+        sink = HttpSink(url)
+        ranks = [
+            MedicHooks(job=JOB, node=NODE, rank=r, sink=sink, world_size=2, timings_every=5) for r in (0, 1)
+        ]
+        sent = []
+        for step in range(10):
+            for rank in ranks:
+                sent += rank.step(step, 1.0, 0.2)
+        sent.append(ranks[1].crash(134))  # flushed before it returns
+        assert len(sent) == 5  # four step-timing reports and the crash
+        assert stored(database, [e.id for e in sent]) == {e.id for e in sent}
+        assert sink.refused == sink.dropped == 0
+
+        monkeypatch.delenv(TOKEN_ENV)
+        stranger = MedicHooks(job=JOB, node=NODE, rank=2, sink=url)
+        with caplog.at_level(logging.ERROR, logger="medic_hooks"):
+            unsent = [stranger.event("nan_loss", iteration=i, loss="nan") for i in range(3)]
+            stranger.flush()
+            unsent.append(stranger.crash(1))
+        assert stored(database, [e.id for e in unsent], timeout_s=1) == set()
+        refusals = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(refusals) == 1 and "HTTP 401" in refusals[0], refusals

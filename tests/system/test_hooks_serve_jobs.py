@@ -1,0 +1,109 @@
+"""A job's signals reach `medic serve` as a site wires them: the reference training job under a real
+torchrun (3 ranks on the CPU, gloo, standing for 2 nodes), its hooks pointed at an authenticated
+`medic serve` over HTTP (`--events URL`, the token from MEDIC_TOKEN_FILE), rank 1 busy in a Python
+function. serve names the straggler from the ranks' step timings, writes the pair's profile requests
+under MEDIC_ARTIFACT_ROOT, the two ranks profile the same steps and report them over HTTP, serve
+diffs them, and the stragglers it stores from then on carry the verdict. Nothing here reads the job's
+files: all of it went through the intake (a crash and a refused token: tests/entrypoints/test_hooks_to_serve.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bench.resume import job_command
+from serve_process import TOKEN, free_port, server_process
+from sqlalchemy import text
+
+from medic.integrations.processes import descendants, kill
+from medic.store import Store
+
+pytestmark = pytest.mark.system
+
+SUSPECT = 1  # on gpu-node-2 with rank 2; rank 0 alone on gpu-node-1: the peer elsewhere
+GIVE_UP_S = 180  # launch ~7 s, the pair's lead 15 s, the profiles, their POSTs and a diff
+
+
+def events_of(database: Path, kind: str) -> list[dict[str, Any]]:
+    store = Store(f"sqlite:///{database}")
+    try:
+        with store.session() as s:
+            rows = s.exec(
+                text("SELECT id, node, rank, attributes FROM events WHERE kind = :kind ORDER BY time"),
+                params={"kind": kind},
+            ).all()
+    finally:
+        store.close()
+    # A JSON column read back by plain SQL: text on SQLite.
+    return [
+        {
+            "id": r[0],
+            "node": r[1],
+            "rank": r[2],
+            "attributes": json.loads(r[3]) if isinstance(r[3], str) else r[3] or {},
+        }
+        for r in rows
+    ]
+
+
+def verdict(database: Path, job: subprocess.Popen[str]) -> dict[str, Any]:
+    began = time.monotonic()
+    while time.monotonic() - began < GIVE_UP_S and job.poll() is None:
+        for straggler in events_of(database, "straggler"):
+            if "straggler_cause" in straggler["attributes"]:
+                return straggler
+        time.sleep(0.5)
+    raise AssertionError(f"no straggler with a cause stored (job exit {job.poll()}; see torchrun.log)")
+
+
+def test_a_jobs_hooks_over_http_to_an_authenticated_serve_name_the_straggler_and_why(tmp_path: Path) -> None:
+    secret = tmp_path / "medic-token"
+    secret.write_text(TOKEN + "\n")
+    database, port = tmp_path / "medic.db", free_port()
+    env = {
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": "",
+        "MEDIC_BACKENDS": "sim",
+        "MEDIC_ARTIFACT_ROOT": str(tmp_path),
+    }
+    command = [
+        *[arg for arg in job_command(tmp_path, 3) if not arg.startswith("--events=")],
+        f"--events=http://127.0.0.1:{port}/v1/events",
+        f"--artifacts={tmp_path / 'artifacts'}",
+        "--steps=100000",  # stopped once the verdict is out
+        "--ckpt-every=100000",
+        "--stall-dump-s=0",
+        "--timings-every=10",
+        "--node-of-rank=gpu-node-1,gpu-node-2,gpu-node-2",
+        "--batch-size=48",
+        "--inject-slow=python",
+        f"--inject-rank={SUSPECT}",
+        "--inject-ms=5",
+    ]
+    job_env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_DEVICE": "cpu", "MEDIC_TOKEN_FILE": str(secret)}
+    job_env.pop("MEDIC_TOKEN", None)
+    with server_process(database, port, env), (tmp_path / "torchrun.log").open("w") as log:
+        job = subprocess.Popen(
+            command, cwd=tmp_path, env=job_env, stdout=log, stderr=subprocess.STDOUT, text=True
+        )
+        try:
+            straggler = verdict(database, job)
+        finally:
+            for pid in [*descendants(job.pid), job.pid]:
+                kill(pid)
+            job.wait()
+        timings = events_of(database, "health_check")
+    assert (straggler["rank"], straggler["node"]) == (SUSPECT, "gpu-node-2")
+    attributes = straggler["attributes"]
+    assert attributes["straggler_cause"] == "software-python", attributes.get("straggler_cause_reason")
+    assert "injected_hot_spot" in attributes["straggler_cause_where"]
+    # Every rank's step timings, and both ranks' requested profiles, came in over HTTP.
+    checks = {(e["rank"], e["attributes"].get("check")) for e in timings}
+    assert {(r, "step_timings") for r in range(3)} <= checks
+    assert {(SUSPECT, "profile"), (0, "profile")} <= checks
+    assert "refused events" not in (tmp_path / "torchrun.log").read_text()
