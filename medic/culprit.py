@@ -9,7 +9,7 @@ Between validation and correlation, events pass through here:
 - a rank's own profile report is kept for the stragglers named about it (medic/profiles.py);
 - where asked to (`medic serve`), a named straggler's rank and a healthy peer are asked for a profile
   of the same steps, and the diff of the two, once the caller has run it, goes on the stragglers
-  about that rank (medic/pair_profiles.py);
+  about that rank (medic/pair_profiles.py), which wait for it (at most VERDICT_WAIT);
 - a crash a peer's loss caused (gloo's "Connection closed by peer") is held until another node of its
   job is seen failing, and then opens nothing: it is the victim, not the fault (medic/victims.py);
 - every event, derived ones too, gets its node's leaf switch from the topology where it names none.
@@ -79,16 +79,18 @@ class Differential:
             self.hangs.push(event)
         else:
             out.append(event)
-        out = self._seen(out) + self.victims.due(event.time)
-        return [self.topology.place(self.pairs.attach(self.profiles.attach(e))) for e in out]
+        out = [e for e in self._seen(out) + self.victims.due(event.time) if not self.pairs.hold(e)]
+        return [self._carried(e) for e in out + self.pairs.due(event.time)]
 
     def due(self, now: datetime) -> list[FaultEvent]:
         """Held reports whose settling time has passed by `now` (a live service's timer)."""
-        return [self.topology.place(e) for e in self._seen(self.hangs.due(now)) + self.victims.due(now)]
+        held = self._seen(self.hangs.due(now)) + self.victims.due(now) + self.pairs.due(now)
+        return [self._carried(e) for e in held]
 
     def flush(self) -> list[FaultEvent]:
         """Everything still held: the end of a file."""
-        return [self.topology.place(e) for e in self._seen(self.hangs.flush()) + self.victims.flush()]
+        held = self._seen(self.hangs.flush()) + self.victims.flush() + self.pairs.flush()
+        return [self._carried(e) for e in held]
 
     def take_explained(self) -> list[tuple[str, str]]:
         """The events absorbed as another's evidence since the last call, each as (its id, the id of
@@ -100,7 +102,12 @@ class Differential:
 
     def next_due(self) -> datetime | None:
         """When the next held report settles, if any is held."""
-        return min(filter(None, (self.hangs.next_due(), self.victims.next_due())), default=None)
+        due = (self.hangs.next_due(), self.victims.next_due(), self.pairs.next_due())
+        return min(filter(None, due), default=None)
+
+    def _carried(self, event: FaultEvent) -> FaultEvent:
+        """An event as it goes on: a straggler with its rank's profile and its pair's verdict, placed."""
+        return self.topology.place(self.pairs.attach(self.profiles.attach(event)))
 
     def _seen(self, out: list[FaultEvent]) -> list[FaultEvent]:
         """Faults going on to correlation: each may explain a victim of its node's loss."""

@@ -31,7 +31,12 @@ Scope = Literal["node", "switch"]
 # fault within its kind: an XID's number, a DCGM error, a failed health check. Nothing else: a copy's
 # message text, counters and source may differ.
 Signature = tuple[str, int | None, object]
-_NAMED_BY = ("code", "error_id", "check")
+# A straggler is named by its cause once its pair's verdict is in (medic/pair_profiles.py): the same
+# rank slow for the same reason again is the same finding.
+_NAMED_BY = ("code", "error_id", "check", "straggler_cause")
+# The verdicts that clear the node (medic/profile_diff.py `Cause`): the rank is slow for its job's own
+# reasons, so an incident that left the node alone holds its later stragglers too (docs/decisions/0024).
+NODE_CLEARED_CAUSES = frozenset({"software-input", "software-python"})
 
 
 def fault_signature(kind: str, gpu: int | None, attributes: Mapping[str, Any] | None) -> Signature:
@@ -62,6 +67,16 @@ def copies_of_handled(
             return False
         last = max(last, event.time)
     return True
+
+
+def cleared_stragglers(events: Iterable[FaultEvent]) -> bool:
+    """Whether `events` are all stragglers whose verdict clears their node: more of a finding an
+    incident already made and left the node alone for, not a fault to judge again."""
+    found = list(events)
+    return bool(found) and all(
+        e.kind is EventKind.STRAGGLER and e.attributes.get("straggler_cause") in NODE_CLEARED_CAUSES
+        for e in found
+    )
 
 
 def incident_id(node: str, first_event_id: str) -> str:

@@ -9,6 +9,11 @@ are handed out to be diffed (medic/profile_diff.py: file I/O and seconds of CPU,
 run), and the diff's verdict, given back, is carried from then on by the stragglers about the rank
 (`straggler_cause` and its companions), as a rank's own profile is (medic/profiles.py).
 
+A straggler about a pair's suspect waits for the verdict (docs/decisions/0024): held from the pair's
+ask until the diff is in, so that no node is diagnosed, drained or left alone on a guess, at most
+VERDICT_WAIT; past that it goes on as `unknown`, saying why, and the policy decides as it would
+without a verdict. Other faults of the node are never held.
+
 Pure: events and the diff's result in, requests, traces to diff and events out.
 """
 
@@ -18,7 +23,7 @@ import json
 import math
 import statistics
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from medic.events import EventKind, FaultEvent
@@ -33,6 +38,9 @@ LEAD_WINDOWS = 2  # the pair starts at least two report windows past the latest 
 # profile_on_demand poll_s), and a request read after its first step is late or stale.
 LEAD_S = 15.0
 MAX_EVIDENCE = 5
+# How long a straggler about a pair's suspect waits for the pair's verdict, from the ask: the lead
+# (two report windows, at least LEAD_S), PAIR_STEPS profiled steps, both reports and a diff of seconds.
+VERDICT_WAIT = timedelta(minutes=3)
 REQUESTED = "requested"  # a profile report's `reason` when a request file asked for it
 
 
@@ -86,6 +94,11 @@ class _Pair:
     traces: dict[int, str] = field(default_factory=dict)  # rank -> the trace it reported
     verdict: dict[str, object] | None = None
     verdict_at: datetime | None = None
+    waiting: list[FaultEvent] = field(default_factory=list)  # stragglers about the suspect, held
+
+    @property
+    def deadline(self) -> datetime:
+        return self.asked_at + VERDICT_WAIT
 
 
 def verdict_attributes(diff: ProfileDiff, peer_trace: Path) -> dict[str, object]:
@@ -123,6 +136,7 @@ class PairProfiles:
         self.pairs: dict[str, _Pair] = {}  # the latest pair asked for, per job
         self.asks: list[ProfileAsk] = []  # to write; taken by take_asks()
         self.ready: list[PairTraces] = []  # to diff; taken by take_ready()
+        self.released: list[FaultEvent] = []  # held stragglers whose verdict came; taken by due()
 
     def report(self, event: FaultEvent, timings: StepTimings) -> None:
         """Keep a rank's step-timing report: where its requests go and how far and fast it runs."""
@@ -209,6 +223,59 @@ class PairProfiles:
         if pair is None or (pair.suspect, pair.peer) != (traces.suspect_rank, traces.peer_rank):
             return  # a newer pair replaced it while it was diffed
         pair.verdict = verdict_attributes(diff, traces.peer)
+        self.released += pair.waiting
+        pair.waiting = []
+
+    def hold(self, event: FaultEvent) -> bool:
+        """Keep a straggler about a pair's suspect until its verdict (or VERDICT_WAIT): True if held."""
+        if (
+            event.kind is not EventKind.STRAGGLER
+            or event.job is None
+            or "straggler_cause" in event.attributes
+        ):
+            return False
+        pair = self.pairs.get(event.job)
+        if pair is None or pair.verdict is not None or event.rank != pair.suspect:
+            return False
+        if event.time > pair.deadline:
+            self._give_up(pair)
+            return False
+        pair.waiting.append(event)
+        return True
+
+    def due(self, now: datetime) -> list[FaultEvent]:
+        """The held stragglers to go on by `now`: those whose verdict came, and those of a pair whose
+        wait ran out (its verdict then `unknown`)."""
+        for pair in self.pairs.values():
+            if pair.waiting and now >= pair.deadline:
+                self._give_up(pair)
+        out, self.released = self.released, []
+        return out  # the caller attaches the verdict (`attach`), after the rank's own profile
+
+    def flush(self) -> list[FaultEvent]:
+        """Every straggler still held: the end of a file."""
+        for pair in self.pairs.values():
+            self.released += pair.waiting
+            pair.waiting = []
+        return self.due(datetime.min.replace(tzinfo=UTC))
+
+    def next_due(self) -> datetime | None:
+        """When the next pair's wait runs out, if any holds a straggler."""
+        return min((pair.deadline for pair in self.pairs.values() if pair.waiting), default=None)
+
+    def _give_up(self, pair: _Pair) -> None:
+        """No verdict within VERDICT_WAIT: the pair's stragglers go on as `unknown`, saying why."""
+        if pair.verdict is None:
+            missing = sorted({pair.suspect, pair.peer} - pair.traces.keys())
+            why = (
+                f"no profile from rank(s) {', '.join(map(str, missing))} within {VERDICT_WAIT.total_seconds():g} s"
+                if missing
+                else f"the pair's diff did not finish within {VERDICT_WAIT.total_seconds():g} s"
+            )
+            pair.verdict = {"straggler_cause": "unknown", "straggler_cause_reason": f"no verdict: {why}"}
+            pair.verdict_at = pair.deadline
+        self.released += pair.waiting
+        pair.waiting = []
 
     def attach(self, event: FaultEvent) -> FaultEvent:
         """A straggler about a pair's suspect, with the pair's verdict while it holds (COOLDOWN)."""

@@ -280,13 +280,30 @@ def _step(step: int, span: _Event, threads: Iterable[list[_Event]]) -> StepSumma
     )
 
 
+# The largest trace a diff reads (uncompressed): about 8 s of reading on this project's 2-core machine
+# (a 39 MB trace and a 4 MB one diffed in 3.5 s, BENCHMARKS.md). A larger one is `unknown`, saying so.
+MAX_TRACE_BYTES = 96 * 2**20
+
+
 def read_summary(path: Path) -> ProfileSummary:
     """The summary of the Chrome trace at `path`, gzipped where it ends in .gz as torch's
-    TensorBoard handler writes it with use_gzip (ProfileError when it is not one)."""
+    TensorBoard handler writes it with use_gzip (ProfileError when it is not one, or when it is
+    larger than MAX_TRACE_BYTES: a diff must take seconds, and a rank's Python can make its trace
+    hundreds of MB)."""
     try:
-        raw = path.read_bytes()
-        document = json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
-    except (OSError, ValueError, EOFError) as error:
+        with path.open("rb") as file:
+            stream = gzip.GzipFile(fileobj=file) if path.suffix == ".gz" else file
+            raw = stream.read(MAX_TRACE_BYTES + 1)
+    except (OSError, EOFError) as error:
+        raise ProfileError(f"cannot read the trace {path}: {error}") from error
+    if len(raw) > MAX_TRACE_BYTES:
+        raise ProfileError(
+            f"the trace {path} is over the {MAX_TRACE_BYTES / 2**20:g} MiB a diff reads "
+            "(its Python stacks, or too many steps); not diffed"
+        )
+    try:
+        document = json.loads(raw)
+    except ValueError as error:
         raise ProfileError(f"cannot read the trace {path}: {error}") from error
     if not isinstance(document, dict):
         raise ProfileError(f"{path}: not a Chrome trace object")

@@ -65,14 +65,16 @@ class JobSignals:
         with self._turns:
             return self._stored([], self.differential.due(datetime.now(UTC)))
 
-    def diff(self, traces: PairTraces) -> None:
-        """Diff a pair's traces (seconds of CPU, outside the lock: intake goes on meanwhile)."""
+    def diff(self, traces: PairTraces) -> list[FaultEvent]:
+        """Diff a pair's traces (seconds of CPU, outside the lock: intake goes on meanwhile); the
+        stragglers that waited for its verdict, stored, to correlate now."""
         diff = diff_pair(traces, self.rt.artifact_root)
         log.info(
             "profile diff of %s rank %s: %s (%s)", traces.job, traces.suspect_rank, diff.cause, diff.reason
         )
         with self._turns:
             self.differential.pairs.diagnosed(traces, diff)
+            return self._stored([], self.differential.due(datetime.now(UTC)))
 
     def _warn_never_complete(self) -> None:
         """Say so, once per job, when a job's step timings never all reach this process: a load

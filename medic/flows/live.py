@@ -43,6 +43,7 @@ from medic.flows.job_signals import JobSignals
 from medic.flows.leases import Leases, runner_name
 from medic.flows.opening import IncidentOpener
 from medic.incidents import Incident
+from medic.pair_profiles import PairTraces
 from medic.tasks.nodes.guard import ensure_limits
 from medic.tasks.nodes.reconcile import reconcile_intents
 from medic.tasks.notify import redeliver
@@ -86,8 +87,13 @@ class LiveDispatcher:
             return
         found, pairs = await anyio.to_thread.run_sync(self.signals.sift, events)
         for traces in pairs:
-            self._spawn(functools.partial(anyio.to_thread.run_sync, self.signals.diff, traces))
+            self._spawn(functools.partial(self._diffed, traces))
         await self._take(found)
+        self._settle_later()
+
+    async def _diffed(self, traces: PairTraces) -> None:
+        """Diff a pair on a worker thread; the stragglers that waited for its verdict go on at once."""
+        await self._take(await anyio.to_thread.run_sync(self.signals.diff, traces))
         self._settle_later()
 
     async def _take(self, events: list[FaultEvent]) -> None:

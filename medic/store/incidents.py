@@ -14,7 +14,7 @@ from sqlalchemy import func, or_, update
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session, col, select
 
-from medic.incidents import DEFAULT_WINDOW, Incident, copies_of_handled, fault_signature
+from medic.incidents import DEFAULT_WINDOW, Incident, cleared_stragglers, copies_of_handled, fault_signature
 from medic.statuses import ACTIVE_INCIDENT_STATUSES, TERMINAL_INCIDENT_STATUSES, ActionStatus, IncidentStatus
 from medic.store.actions import held_nodes
 from medic.store.engine import StoreBase, utcnow
@@ -263,7 +263,8 @@ def _acted(s: Session, incident_id: str) -> bool:
 def _copies_handled_by(s: Session, incident: Incident, window: timedelta) -> IncidentRecord | None:
     """The node's handled incident these events are copies of (`copies_of_handled`), if any: one
     that took a node action or was handed to people. One closed with nothing done is left out: a
-    fault judged harmless once is judged again when it repeats (a rule may count its repeats)."""
+    fault judged harmless once is judged again when it repeats (a rule may count its repeats); but
+    not a straggler whose verdict cleared the node, which is the same finding again (0024)."""
     if incident.scope != "node":
         return None  # a storm under a switch joins its incident within the window (0006)
     query = (
@@ -278,8 +279,9 @@ def _copies_handled_by(s: Session, incident: Incident, window: timedelta) -> Inc
     if not candidates:
         return None
     holder = next((h.incident for h in held_nodes(s, incident.node)), None)
+    cleared = cleared_stragglers(incident.events)
     for row in candidates:
-        if row.status != IncidentStatus.ESCALATED and not _acted(s, row.id):
+        if row.status != IncidentStatus.ESCALATED and not cleared and not _acted(s, row.id):
             continue
         evidence = [
             (fault_signature(kind, gpu, attributes), at)

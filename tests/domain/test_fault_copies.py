@@ -128,3 +128,38 @@ def test_the_store_lists_the_nodes_we_hold_until_our_resume(store: Store) -> Non
     store.claim_action(key, "inc-x", "gpu-node-8", "drain")
     store.finish_action(key, ActionStatus.FAILED, "scontrol: error")
     assert "gpu-node-8" not in {h.node for h in store.held_nodes()}
+
+
+def _straggler(node: str, id: str, minutes: float, cause: str | None) -> FaultEvent:
+    verdict = {} if cause is None else {"straggler_cause": cause}
+    return fault_event(
+        "straggler",
+        node=node,
+        id=id,
+        gpu=1,
+        job="llm",
+        rank=3,
+        minutes=minutes,
+        source="medic",
+        attributes={"step_time_ratio": 1.6, "detector": "peer", **verdict},
+    )
+
+
+def test_a_straggler_whose_verdict_cleared_its_node_is_one_incident_while_it_stays_slow(store: Store) -> None:
+    """docs/decisions/0024: its reports join the incident that left the node alone for that verdict;
+    a verdict that blames the node, or none, is judged again, as every repeated fault is."""
+    node = "gpu-node-2"
+    first = _straggler(node, "s-0", 0, "software-python")
+    store.record_accepted([first])
+    row, opened = store.open_or_join(incident(first, id="inc-slow"), runner="a:serve-1:1", lease_s=30)
+    assert opened
+    store.update_incident(row.id, status=IncidentStatus.CLOSED, closed_at=utcnow(), outcome="none")
+    for n, minutes in enumerate((1, 5, 12)):  # each within the window of the one before
+        again = _straggler(node, f"s-{n + 1}", minutes, "software-python")
+        assert _arrives(store, again, f"inc-s-{n + 1}") == ("inc-slow", False)
+    assert _arrives(store, _straggler(node, "s-hw", 13, "hardware-compute"), "inc-hw") == ("inc-hw", True)
+    store.update_incident("inc-hw", status=IncidentStatus.CLOSED, closed_at=utcnow(), outcome="none")
+    assert _arrives(store, _straggler(node, "s-none", 14, None), "inc-none") == ("inc-none", True)
+    store.update_incident("inc-none", status=IncidentStatus.CLOSED, closed_at=utcnow(), outcome="none")
+    quiet = _straggler(node, "s-later", 40, "software-python")  # after a quiet window: a new episode
+    assert _arrives(store, quiet, "inc-later") == ("inc-later", True)

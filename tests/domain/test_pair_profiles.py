@@ -9,6 +9,7 @@ import asyncio
 import json
 import shutil
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from medic.events import EventKind, FaultEvent
 from medic.flows.job_signals import diff_pair, write_asks
 from medic.flows.live import LiveDispatcher
 from medic.integrations.registry import Backends
-from medic.pair_profiles import COOLDOWN, PAIR_STEPS, PairTraces, ProfileAsk, verdict_attributes
+from medic.pair_profiles import COOLDOWN, PAIR_STEPS, VERDICT_WAIT, PairTraces, ProfileAsk, verdict_attributes
 from medic.peers import TIMINGS_CHECK
 from medic.profile_diff import Category, Cause, Growth, ProfileDiff, diagnose
 from medic.profiles import PROFILE_CHECK
@@ -125,7 +126,8 @@ def python_diff(entries: int = 1) -> ProfileDiff:
 
 def test_a_named_straggler_and_a_peer_on_another_node_are_asked_for_the_same_steps(tmp_path: Path) -> None:
     diff = Differential(ask_profiles=True)
-    [named, *_] = stragglers(push(diff, rounds(tmp_path, 1, 2)))
+    assert not stragglers(push(diff, rounds(tmp_path, 1, 2)))  # named, and held for the pair's verdict
+    [named, *_] = diff.pairs.pairs[JOB].waiting
     assert named.rank == SLOW
     suspect, peer = diff.pairs.take_asks()
     assert (suspect.rank, peer.rank) == (SLOW, PEER)
@@ -141,7 +143,7 @@ def test_one_pair_per_job_within_the_cooldown(tmp_path: Path) -> None:
     diff = Differential(ask_profiles=True)
     push(diff, rounds(tmp_path, 1, 2))
     assert len(diff.pairs.take_asks()) == 2
-    assert stragglers(push(diff, rounds(tmp_path, 21, 4, at_s=20)))  # still slow, still named
+    assert not stragglers(push(diff, rounds(tmp_path, 21, 4, at_s=20)))  # still slow: held for the verdict
     assert diff.pairs.take_asks() == []
     later = COOLDOWN.total_seconds() + 60
     push(diff, rounds(tmp_path, 61, 1, at_s=later))
@@ -176,10 +178,11 @@ def test_the_verdict_reaches_the_stragglers_about_the_suspect_once_both_profiles
         PEER,
         f"{JOB}-r{PEER}-step42-profile.pt.trace.json",
     )
-    waiting = stragglers(push(diff, rounds(tmp_path, 61, 1, at_s=40)))
-    assert waiting and "straggler_cause" not in waiting[0].attributes  # not diffed yet
+    assert not stragglers(push(diff, rounds(tmp_path, 61, 1, at_s=40)))  # held: not diffed yet
     diff.pairs.diagnosed(ready, python_diff())
-    [carrying] = stragglers(push(diff, rounds(tmp_path, 71, 1, at_s=45)))
+    *released, carrying = stragglers(push(diff, rounds(tmp_path, 71, 1, at_s=45)))
+    assert len(released) == 3  # the first two rounds' and round 61's: they waited, now with the verdict
+    assert {e.attributes["straggler_cause"] for e in released} == {"software-python"}
     assert carrying.attributes["straggler_cause"] == "software-python"
     assert carrying.attributes["straggler_cause_hardware"] is False
     assert carrying.attributes["straggler_cause_where"] == "train.py(42): hot_spot_0"
@@ -188,8 +191,40 @@ def test_the_verdict_reaches_the_stragglers_about_the_suspect_once_both_profiles
     # Still valid as an event once stored and read back.
     assert FaultEvent.model_validate_json(carrying.model_dump_json()) == carrying
     later = COOLDOWN.total_seconds() + 90
-    [stale] = stragglers(push(diff, rounds(tmp_path, 81, 1, at_s=later)))
-    assert "straggler_cause" not in stale.attributes  # the verdict is half an hour old: a new pair is asked
+    assert not stragglers(push(diff, rounds(tmp_path, 81, 1, at_s=later)))  # a new pair's, held
+    assert len(diff.pairs.take_asks()) == 2  # the verdict is half an hour old: a new pair is asked
+
+
+def test_a_straggler_waits_for_its_verdict_and_no_other_fault_does(tmp_path: Path) -> None:
+    diff = Differential(ask_profiles=True)
+    assert not stragglers(push(diff, rounds(tmp_path, 1, 2)))  # named, its pair asked: held
+    xid = fault_event("xid", node=NODE_OF[SLOW], gpu=1, seconds=11, attributes={"code": 79})
+    assert push(diff, [xid]) == [xid]  # the hardware names itself: never held
+    asked_at = diff.pairs.pairs[JOB].asked_at
+    assert diff.next_due() == asked_at + VERDICT_WAIT
+    assert diff.due(asked_at + VERDICT_WAIT - timedelta(seconds=1)) == []
+
+
+def test_without_a_verdict_in_time_the_held_stragglers_go_on_as_unknown_saying_why(tmp_path: Path) -> None:
+    diff = Differential(ask_profiles=True)
+    push(diff, rounds(tmp_path, 1, 2))
+    push(diff, [profile(SLOW, 40, 30)])  # the suspect's profile came; the peer's never does
+    asked_at = diff.pairs.pairs[JOB].asked_at
+    late = stragglers(diff.due(asked_at + VERDICT_WAIT))
+    assert late and {e.attributes["straggler_cause"] for e in late} == {"unknown"}  # decided as without one
+    reason = f"no verdict: no profile from rank(s) {PEER} within 180 s"
+    assert late[0].attributes["straggler_cause_reason"] == reason
+    assert diff.next_due() is None
+    # From then on its stragglers go on at once, and a verdict that comes late still reaches them.
+    [now] = stragglers(push(diff, rounds(tmp_path, 201, 1, at_s=200)))
+    assert now.attributes["straggler_cause"] == "unknown"
+
+
+def test_the_end_of_a_file_lets_every_held_straggler_go(tmp_path: Path) -> None:
+    diff = Differential(ask_profiles=True)
+    push(diff, rounds(tmp_path, 1, 2))
+    held = stragglers(diff.flush())
+    assert held and not any("straggler_cause" in e.attributes for e in held)  # as if never asked
 
 
 def test_the_evidence_is_the_diffs_top_five_entries() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from medic import profile_diff
 from medic.profile_diff import (
     Category,
     Cause,
@@ -156,6 +157,17 @@ def test_more_calls_of_an_operator_is_not_a_slower_device() -> None:
 def test_profiles_of_different_steps_give_no_verdict() -> None:
     diff = compare(summary("compute", 1), summary("copy", 0))  # steps 241-244 against 338-340
     assert diff.cause is Cause.UNKNOWN and diff.steps == [] and "in common" in diff.reason
+
+
+def test_a_trace_over_the_size_a_diff_reads_is_unknown_saying_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's Python can make its trace hundreds of MB: the diff says so rather than take minutes."""
+    size = len(gzip.decompress(trace("python", 1).read_bytes()))
+    monkeypatch.setattr(profile_diff, "MAX_TRACE_BYTES", size - 1)  # the real one is 96 MiB
+    diff = diagnose(trace("python", 1), trace("python", 0))
+    assert diff.cause is Cause.UNKNOWN and diff.confidence == 0
+    assert "over the" in diff.reason and "MiB a diff reads" in diff.reason
+    monkeypatch.setattr(profile_diff, "MAX_TRACE_BYTES", size)
+    assert diagnose(trace("python", 1), trace("python", 0)).cause is Cause.SOFTWARE_PYTHON
 
 
 def test_a_trace_that_cannot_be_read_gives_unknown_never_a_cause(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
 """A job's signals reach `medic serve` as a site wires them: the reference training job under a real
 torchrun (3 ranks on the CPU, gloo, standing for 2 nodes), its hooks pointed at an authenticated
-`medic serve` over HTTP (`--events URL`, the token from MEDIC_TOKEN_FILE), rank 1 busy in a Python
-function. serve names the straggler from the ranks' step timings, writes the pair's profile requests
+`medic serve` over HTTP (`--events URL`, the token from MEDIC_TOKEN_FILE), rank 1 slowed by a named
+cause. serve names the straggler from the ranks' step timings, writes the pair's profile requests
 under MEDIC_ARTIFACT_ROOT, the two ranks profile the same steps and report them over HTTP, serve
-diffs them, and the stragglers it stores from then on carry the verdict. Nothing here reads the job's
+diffs them; the stragglers wait for the verdict and carry it, and the slow rank is one incident: a
+hot spot in the job's Python leaves the node in service, a slower compute operator takes it out
+(docs/decisions/0024). Nothing here reads the job's
 files: all of it went through the intake (a crash and a refused token: tests/entrypoints/test_hooks_to_serve.py)."""
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.system
 
 SUSPECT = 1  # on gpu-node-2 with rank 2; rank 0 alone on gpu-node-1: the peer elsewhere
 GIVE_UP_S = 180  # launch ~7 s, the pair's lead 15 s, the profiles, their POSTs and a diff
+SLOW_AFTER_S = 10.0
 
 
 def events_of(database: Path, kind: str) -> list[dict[str, Any]]:
@@ -51,6 +54,26 @@ def events_of(database: Path, kind: str) -> list[dict[str, Any]]:
     ]
 
 
+def incidents(database: Path) -> list[tuple[str, str, str, str, str | None]]:
+    store = Store(f"sqlite:///{database}")
+    try:
+        with store.session() as s:
+            rows = s.exec(text("SELECT id, node, classification, action, closed_at FROM incidents")).all()
+            acted = s.exec(text("SELECT incident_id, action, status FROM actions")).all()
+    finally:
+        store.close()
+    return [(*row, ",".join(sorted(a[1] for a in acted if a[0] == row[0]))) for row in rows]  # type: ignore[return-value]
+
+
+def settled(database: Path, timeout_s: float = 90) -> list[tuple[str, str, str, str, str | None]]:
+    """The incidents once none is still being handled (a diagnostic runs on after the job is gone)."""
+    deadline = time.monotonic() + timeout_s
+    while (found := incidents(database)) and any(row[4] is None for row in found):
+        assert time.monotonic() < deadline, found
+        time.sleep(0.5)
+    return found
+
+
 def verdict(database: Path, job: subprocess.Popen[str]) -> dict[str, Any]:
     began = time.monotonic()
     while time.monotonic() - began < GIVE_UP_S and job.poll() is None:
@@ -61,7 +84,18 @@ def verdict(database: Path, job: subprocess.Popen[str]) -> dict[str, Any]:
     raise AssertionError(f"no straggler with a cause stored (job exit {job.poll()}; see torchrun.log)")
 
 
-def test_a_jobs_hooks_over_http_to_an_authenticated_serve_name_the_straggler_and_why(tmp_path: Path) -> None:
+CASES = {
+    # cause: (--inject-ms, the verdict, the incident's classification and action, the node actions)
+    "python": (5, "software-python", "software", "none", ""),
+    "compute": (4, "hardware-compute", "hardware", "reintegrate", "drain,resume"),
+}
+
+
+@pytest.mark.parametrize("cause", CASES)
+def test_a_jobs_hooks_over_http_to_an_authenticated_serve_name_the_straggler_and_why(
+    tmp_path: Path, cause: str
+) -> None:
+    inject_ms, expected, classification, action, node_actions = CASES[cause]
     secret = tmp_path / "medic-token"
     secret.write_text(TOKEN + "\n")
     database, port = tmp_path / "medic.db", free_port()
@@ -81,9 +115,9 @@ def test_a_jobs_hooks_over_http_to_an_authenticated_serve_name_the_straggler_and
         "--timings-every=10",
         "--node-of-rank=gpu-node-1,gpu-node-2,gpu-node-2",
         "--batch-size=48",
-        "--inject-slow=python",
+        f"--inject-slow={cause}",
         f"--inject-rank={SUSPECT}",
-        "--inject-ms=5",
+        f"--inject-ms={inject_ms}",
     ]
     job_env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_DEVICE": "cpu", "MEDIC_TOKEN_FILE": str(secret)}
     job_env.pop("MEDIC_TOKEN", None)
@@ -93,15 +127,23 @@ def test_a_jobs_hooks_over_http_to_an_authenticated_serve_name_the_straggler_and
         )
         try:
             straggler = verdict(database, job)
+            time.sleep(SLOW_AFTER_S)  # still slow: its reports keep coming, and join its incident
         finally:
             for pid in [*descendants(job.pid), job.pid]:
                 kill(pid)
             job.wait()
         timings = events_of(database, "health_check")
+        opened = settled(database)
     assert (straggler["rank"], straggler["node"]) == (SUSPECT, "gpu-node-2")
     attributes = straggler["attributes"]
-    assert attributes["straggler_cause"] == "software-python", attributes.get("straggler_cause_reason")
-    assert "injected_hot_spot" in attributes["straggler_cause_where"]
+    assert attributes["straggler_cause"] == expected, attributes.get("straggler_cause_reason")
+    if cause == "python":
+        assert "injected_hot_spot" in attributes["straggler_cause_where"]
+    # One incident, decided on the verdict: every straggler waited for it, and the later ones joined.
+    assert [(node, c, a, acted) for _, node, c, a, _, acted in opened] == [
+        ("gpu-node-2", classification, action, node_actions)
+    ], opened
+    assert all("straggler_cause" in s["attributes"] for s in events_of(database, "straggler"))
     # Every rank's step timings, and both ranks' requested profiles, came in over HTTP.
     checks = {(e["rank"], e["attributes"].get("check")) for e in timings}
     assert {(r, "step_timings") for r in range(3)} <= checks
