@@ -44,8 +44,10 @@ def test_a_job_s_events_reach_an_authenticated_serve_and_a_rank_without_the_toke
         for step in range(10):
             for rank in ranks:
                 sent += rank.step(step, 1.0, 0.2)
+        sent += ranks[0].step(10, float("nan"), 0.2)  # a NaN loss
         sent.append(ranks[1].crash(134))  # flushed before it returns
-        assert len(sent) == 5  # four step-timing reports and the crash
+        assert [e.kind.value for e in sent].count("health_check") == 4
+        assert {"nan_loss", "job_crash"} <= {e.kind.value for e in sent}
         assert stored(database, [e.id for e in sent]) == {e.id for e in sent}
         assert sink.refused == sink.dropped == 0
 
