@@ -1,6 +1,8 @@
-"""The training hooks' HTTP sink against `medic serve` as a site runs it: authentication on (serve
-refuses to start without it), the hooks' token from the environment, their events stored. A rank
-without the token is refused once, said once, and trains on."""
+"""The senders GPU Medic ships against `medic serve` as a site runs it: authentication on (serve refuses
+to start without it). The training hooks' HTTP sink, its token from the environment: their events
+stored, a rank without the token refused once, said once, training on. The node agent's and the Slurm
+hooks' sender (`sink_from`). (`medic emit`: tests/entrypoints/test_server.py; Alertmanager's receiver:
+tests/entrypoints/test_alertmanager.py.)"""
 
 from __future__ import annotations
 
@@ -9,8 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from factories import fault_event
 from serve_process import TOKEN, free_port, server_process
 
+from medic.integrations.sinks import TOKEN_ENV as SINK_TOKEN_ENV
+from medic.integrations.sinks import URL_ENV, sink_from
 from medic.store import Store
 from medic.training.medic_hooks import TOKEN_ENV, HttpSink, MedicHooks
 
@@ -60,3 +65,21 @@ def test_a_job_s_events_reach_an_authenticated_serve_and_a_rank_without_the_toke
         assert stored(database, [e.id for e in unsent], timeout_s=1) == set()
         refusals = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
         assert len(refusals) == 1 and "HTTP 401" in refusals[0], refusals
+
+
+def test_the_node_agent_s_and_slurm_hooks_sender_reaches_an_authenticated_serve(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`medic agent` and the Slurm hooks send through `sink_from` ($MEDIC_URL, $MEDIC_TOKEN)."""
+    env = {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": "", "MEDIC_BACKENDS": "sim"}
+    database, port = tmp_path / "medic.db", free_port()
+    base = f"http://127.0.0.1:{port}"
+    with server_process(database, port, env):
+        event = fault_event(node=NODE, id="agent-xid-1", gpu=3, code=79, source="agent")
+        sink_from(None, {URL_ENV: base, SINK_TOKEN_ENV: TOKEN}).emit([event])
+        assert stored(database, [event.id]) == {event.id}
+        refused = fault_event(node=NODE, id="agent-xid-2", gpu=3, code=79, source="agent")
+        with caplog.at_level(logging.ERROR):
+            sink_from(None, {URL_ENV: base, SINK_TOKEN_ENV: "not-ours"}).emit([refused])
+        assert stored(database, [refused.id], timeout_s=1) == set()
+        assert "refused 1 events (HTTP 401)" in caplog.text
