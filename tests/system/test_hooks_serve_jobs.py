@@ -4,8 +4,9 @@ torchrun (3 ranks on the CPU, gloo, standing for 2 nodes), its hooks pointed at 
 cause. serve names the straggler from the ranks' step timings, writes the pair's profile requests
 under MEDIC_ARTIFACT_ROOT, the two ranks profile the same steps and report them over HTTP, serve
 diffs them; the stragglers wait for the verdict and carry it, and the slow rank is one incident: a
-hot spot in the job's Python leaves the node in service, a slower compute operator takes it out
-(docs/decisions/0024). Nothing here reads the job's
+hot spot in the job's Python or a starved data loader leaves the node in service, a slower compute
+operator takes it out (docs/decisions/0024). And a job hung in one collective is named from the stall
+reports its hooks post. Nothing here reads the job's
 files: all of it went through the intake (a crash and a refused token: tests/entrypoints/test_hooks_to_serve.py)."""
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def verdict(database: Path, job: subprocess.Popen[str]) -> dict[str, Any]:
 CASES = {
     # cause: (--inject-ms, the verdict, the incident's classification and action, the node actions)
     "python": (5, "software-python", "software", "none", ""),
+    "input": (20, "software-input", "software", "none", ""),
     "compute": (4, "hardware-compute", "hardware", "reintegrate", "drain,resume"),
 }
 
@@ -149,3 +151,51 @@ def test_a_jobs_hooks_over_http_to_an_authenticated_serve_name_the_straggler_and
     assert {(r, "step_timings") for r in range(3)} <= checks
     assert {(SUSPECT, "profile"), (0, "profile")} <= checks
     assert "refused events" not in (tmp_path / "torchrun.log").read_text()
+
+
+def test_a_job_hung_in_one_collective_is_named_by_serve_from_the_stalls_its_hooks_post(
+    tmp_path: Path,
+) -> None:
+    """Every rank stops inside step 12's first collective: the stall watch's reports, posted over HTTP
+    from the hooks' own thread while the training thread is stuck, name the hang on each node before
+    any watchdog (docs/decisions/0021)."""
+    secret = tmp_path / "medic-token"
+    secret.write_text(TOKEN + "\n")
+    database, port = tmp_path / "medic.db", free_port()
+    env = {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": "", "MEDIC_BACKENDS": "sim"}
+    command = [
+        *[arg for arg in job_command(tmp_path, 4) if not arg.startswith("--events=")],
+        f"--events=http://127.0.0.1:{port}/v1/events",
+        "--steps=40",
+        "--ckpt-every=1000",
+        "--timings-every=5",
+        "--node-of-rank=gpu-node-1,gpu-node-1,gpu-node-2,gpu-node-2",
+        "--step-work-s=0.03",
+        "--hang-all-at-step=12",
+        "--stall-dump-s=1",
+    ]
+    job_env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_DEVICE": "cpu", "MEDIC_TOKEN_FILE": str(secret)}
+    job_env.pop("MEDIC_TOKEN", None)
+    with server_process(database, port, env), (tmp_path / "torchrun.log").open("w") as log:
+        job = subprocess.Popen(
+            command, cwd=tmp_path, env=job_env, stdout=log, stderr=subprocess.STDOUT, text=True
+        )
+        try:
+            began, named = time.monotonic(), []
+            while len(named) < 2:
+                assert time.monotonic() - began < GIVE_UP_S and job.poll() is None, "no hang named"
+                time.sleep(0.5)
+                named = [
+                    e
+                    for e in events_of(database, "nccl_timeout")
+                    if e["attributes"].get("detector") == "hang"
+                ]
+        finally:
+            for pid in [*descendants(job.pid), job.pid]:
+                kill(pid)
+            job.wait()
+    assert sorted((e["node"], e["attributes"]["evidence"]) for e in named) == [
+        ("gpu-node-1", "together"),
+        ("gpu-node-2", "together"),
+    ]
+    assert all(e["attributes"]["before_timeout"] for e in named)
