@@ -228,14 +228,8 @@ class PairProfiles:
 
     def hold(self, event: FaultEvent) -> bool:
         """Keep a straggler about a pair's suspect until its verdict (or VERDICT_WAIT): True if held."""
-        if (
-            event.kind is not EventKind.STRAGGLER
-            or event.job is None
-            or "straggler_cause" in event.attributes
-        ):
-            return False
-        pair = self.pairs.get(event.job)
-        if pair is None or pair.verdict is not None or event.rank != pair.suspect:
+        pair = self._suspects(event)
+        if pair is None or pair.verdict is not None:
             return False
         if event.time > pair.deadline:
             self._give_up(pair)
@@ -279,18 +273,23 @@ class PairProfiles:
 
     def attach(self, event: FaultEvent) -> FaultEvent:
         """A straggler about a pair's suspect, with the pair's verdict while it holds (COOLDOWN)."""
+        pair = self._suspects(event)
+        if pair is None or pair.verdict is None or pair.verdict_at is None:
+            return event
+        if event.time - pair.verdict_at > COOLDOWN:
+            return event
+        return event.model_copy(update={"attributes": event.attributes | pair.verdict})
+
+    def _suspects(self, event: FaultEvent) -> _Pair | None:
+        """The pair whose suspect a straggler without a verdict of its own is about, if any."""
         if (
             event.kind is not EventKind.STRAGGLER
             or event.job is None
             or "straggler_cause" in event.attributes
         ):
-            return event
+            return None
         pair = self.pairs.get(event.job)
-        if pair is None or pair.verdict is None or pair.verdict_at is None or event.rank != pair.suspect:
-            return event
-        if event.time - pair.verdict_at > COOLDOWN:
-            return event
-        return event.model_copy(update={"attributes": event.attributes | pair.verdict})
+        return pair if pair is not None and event.rank == pair.suspect else None
 
     def take_asks(self) -> list[ProfileAsk]:
         asks, self.asks = self.asks, []

@@ -15,6 +15,8 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,31 @@ pytestmark = pytest.mark.system
 SUSPECT = 1  # on gpu-node-2 with rank 2; rank 0 alone on gpu-node-1: the peer elsewhere
 GIVE_UP_S = 180  # launch ~7 s, the pair's lead 15 s, the profiles, their POSTs and a diff
 SLOW_AFTER_S = 10.0
+
+
+@contextmanager
+def running(tmp_path: Path, command: list[str]) -> Iterator[subprocess.Popen[str]]:
+    """The job under torchrun as a site starts it: its token in a file named by MEDIC_TOKEN_FILE, none
+    in its arguments or its environment; killed, with every rank, on the way out."""
+    secret = tmp_path / "medic-token"
+    secret.write_text(TOKEN + "\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_DEVICE": "cpu", "MEDIC_TOKEN_FILE": str(secret)}
+    env.pop("MEDIC_TOKEN", None)
+    with (tmp_path / "torchrun.log").open("w") as log:
+        job = subprocess.Popen(
+            command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, text=True
+        )
+    try:
+        yield job
+    finally:
+        stop(job)
+
+
+def stop(job: subprocess.Popen[str]) -> None:
+    """The job and every rank it started (again: a no-op)."""
+    for pid in [*descendants(job.pid), job.pid]:
+        kill(pid)
+    job.wait()
 
 
 def events_of(database: Path, kind: str) -> list[dict[str, Any]]:
@@ -98,8 +125,6 @@ def test_a_jobs_hooks_over_http_to_an_authenticated_serve_name_the_straggler_and
     tmp_path: Path, cause: str
 ) -> None:
     inject_ms, expected, classification, action, node_actions = CASES[cause]
-    secret = tmp_path / "medic-token"
-    secret.write_text(TOKEN + "\n")
     database, port = tmp_path / "medic.db", free_port()
     env = {
         "PREFECT_HOME": str(tmp_path / "prefect"),
@@ -121,19 +146,10 @@ def test_a_jobs_hooks_over_http_to_an_authenticated_serve_name_the_straggler_and
         f"--inject-rank={SUSPECT}",
         f"--inject-ms={inject_ms}",
     ]
-    job_env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_DEVICE": "cpu", "MEDIC_TOKEN_FILE": str(secret)}
-    job_env.pop("MEDIC_TOKEN", None)
-    with server_process(database, port, env), (tmp_path / "torchrun.log").open("w") as log:
-        job = subprocess.Popen(
-            command, cwd=tmp_path, env=job_env, stdout=log, stderr=subprocess.STDOUT, text=True
-        )
-        try:
-            straggler = verdict(database, job)
-            time.sleep(SLOW_AFTER_S)  # still slow: its reports keep coming, and join its incident
-        finally:
-            for pid in [*descendants(job.pid), job.pid]:
-                kill(pid)
-            job.wait()
+    with server_process(database, port, env), running(tmp_path, command) as job:
+        straggler = verdict(database, job)
+        time.sleep(SLOW_AFTER_S)  # still slow: its reports keep coming, and join its incident
+        stop(job)  # then what serve made of it, once its incidents are settled
         timings = events_of(database, "health_check")
         opened = settled(database)
     assert (straggler["rank"], straggler["node"]) == (SUSPECT, "gpu-node-2")
@@ -159,8 +175,6 @@ def test_a_job_hung_in_one_collective_is_named_by_serve_from_the_stalls_its_hook
     """Every rank stops inside step 12's first collective: the stall watch's reports, posted over HTTP
     from the hooks' own thread while the training thread is stuck, name the hang on each node before
     any watchdog (docs/decisions/0021)."""
-    secret = tmp_path / "medic-token"
-    secret.write_text(TOKEN + "\n")
     database, port = tmp_path / "medic.db", free_port()
     env = {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": "", "MEDIC_BACKENDS": "sim"}
     command = [
@@ -174,26 +188,14 @@ def test_a_job_hung_in_one_collective_is_named_by_serve_from_the_stalls_its_hook
         "--hang-all-at-step=12",
         "--stall-dump-s=1",
     ]
-    job_env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_DEVICE": "cpu", "MEDIC_TOKEN_FILE": str(secret)}
-    job_env.pop("MEDIC_TOKEN", None)
-    with server_process(database, port, env), (tmp_path / "torchrun.log").open("w") as log:
-        job = subprocess.Popen(
-            command, cwd=tmp_path, env=job_env, stdout=log, stderr=subprocess.STDOUT, text=True
-        )
-        try:
-            began, named = time.monotonic(), []
-            while len(named) < 2:
-                assert time.monotonic() - began < GIVE_UP_S and job.poll() is None, "no hang named"
-                time.sleep(0.5)
-                named = [
-                    e
-                    for e in events_of(database, "nccl_timeout")
-                    if e["attributes"].get("detector") == "hang"
-                ]
-        finally:
-            for pid in [*descendants(job.pid), job.pid]:
-                kill(pid)
-            job.wait()
+    with server_process(database, port, env), running(tmp_path, command) as job:
+        began, named = time.monotonic(), []
+        while len(named) < 2:
+            assert time.monotonic() - began < GIVE_UP_S and job.poll() is None, "no hang named"
+            time.sleep(0.5)
+            named = [
+                e for e in events_of(database, "nccl_timeout") if e["attributes"].get("detector") == "hang"
+            ]
     assert sorted((e["node"], e["attributes"]["evidence"]) for e in named) == [
         ("gpu-node-1", "together"),
         ("gpu-node-2", "together"),
