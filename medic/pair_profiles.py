@@ -23,7 +23,7 @@ import json
 import math
 import statistics
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from medic.events import EventKind, FaultEvent
@@ -248,10 +248,11 @@ class PairProfiles:
 
     def flush(self) -> list[FaultEvent]:
         """Every straggler still held: the end of a file."""
+        out, self.released = self.released, []
         for pair in self.pairs.values():
-            self.released += pair.waiting
+            out += pair.waiting
             pair.waiting = []
-        return self.due(datetime.min.replace(tzinfo=UTC))
+        return out
 
     def next_due(self) -> datetime | None:
         """When the next pair's wait runs out, if any holds a straggler."""

@@ -261,18 +261,16 @@ class HttpSink:
         self._queue: deque[Event] = deque()
         self._sending = 0  # events in the request under way
         self._cond = threading.Condition()
-        self._wake = False  # flush asks for a try now instead of after the pause
+        self._flushes = 0  # flushes begun: each cuts the pause before the next try short
+        self._flushing = 0  # flushes waiting now: the pauses between tries stay short meanwhile
         self._thread: threading.Thread | None = None
 
     def emit(self, event: Event) -> None:
         if os.getpid() != self._pid:
             self._start()
         with self._cond:
-            if len(self._queue) >= self.max_queue:
-                self._queue.popleft()
-                self.dropped += 1
-                self._dropped_unsaid += 1
             self._queue.append(event)
+            self._bound()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="medic-hooks-sink", daemon=True)
                 self._thread.start()
@@ -283,9 +281,13 @@ class HttpSink:
         """Wait up to `timeout_s` for every queued event to be delivered or refused; a pause before
         the next try is cut short. True when nothing is left."""
         with self._cond:
-            self._wake = True
+            self._flushes += 1
+            self._flushing += 1
             self._cond.notify_all()
-            done = self._cond.wait_for(lambda: not self._queue and not self._sending, timeout_s)
+            try:
+                done = self._cond.wait_for(lambda: not self._queue and not self._sending, timeout_s)
+            finally:
+                self._flushing -= 1
         if not done:
             log.warning("%d event(s) not delivered to %s yet", len(self._queue) + self._sending, self.url)
         return done
@@ -300,14 +302,25 @@ class HttpSink:
                 self._sending = 0
                 if pause:  # kept first in line, within the bound
                     self._queue.extendleft(reversed(batch))
-                    while len(self._queue) > self.max_queue:
-                        self._queue.popleft()
-                        self.dropped += 1
-                        self._dropped_unsaid += 1
+                    self._bound()
                 self._cond.notify_all()
                 if pause:
-                    self._wake = False
-                    self._cond.wait_for(lambda: self._wake, pause)
+                    # A flush that begins cuts the pause short; one under way keeps it short.
+                    if self._flushing:
+                        pause = min(pause, BACKOFF_S[0])
+                    self._cond.wait_for(self._flush_began(), pause)
+
+    def _flush_began(self) -> Callable[[], bool]:
+        """True once a flush begins after this call (under the lock)."""
+        seen = self._flushes
+        return lambda: self._flushes != seen
+
+    def _bound(self) -> None:
+        """Past `max_queue`, the oldest events go, counted (said once delivery resumes)."""
+        while len(self._queue) > self.max_queue:
+            self._queue.popleft()
+            self.dropped += 1
+            self._dropped_unsaid += 1
 
     def _take(self) -> list[Event]:
         """The oldest events, up to `max_batch`, of one job (the request's X-Medic-Job)."""
